@@ -1,0 +1,252 @@
+"""The manifest schema: one strict, frozen pydantic model per section.
+
+Torch-free on purpose: `mantra validate` runs on login nodes and in editors.
+Unknown keys are errors (extra="forbid"); closed choices are enums so a typo
+is caught at load; nothing here mutates a value. Derived values (the inferred
+dp degree, the microbatch count, the world size) come from `resolve.py`.
+
+The key names are a contract other tools rely on: add keys, never rename.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MANIFEST_VERSION = 1
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class Schedule(str, enum.Enum):
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved-1f1b"
+    zb_h1 = "zb-h1"
+    zb_h2 = "zb-h2"
+    zb_v = "zb-v"
+
+
+class Sharding(str, enum.Enum):
+    none = "none"
+    zero1 = "zero1"
+    zero2 = "zero2"
+    zero3 = "zero3"
+
+
+class Precision(str, enum.Enum):
+    auto = "auto"  # bf16 autocast over fp32 master weights on GPU, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class OptimizerName(str, enum.Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Decay(str, enum.Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DataSource(str, enum.Enum):
+    synthetic = "synthetic"
+    tokens = "tokens"
+    text = "text"
+
+
+class TokenDtype(str, enum.Enum):
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class Sink(str, enum.Enum):
+    console = "console"
+    jsonl = "jsonl"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
+class WandbMode(str, enum.Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class LauncherKind(str, enum.Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+class ModelSection(Section):
+    """The decoder's shape; `kind` picks the plugin from the model registry."""
+
+    kind: str = Field("llama", description="registered model kind (`mantra models` lists them)")
+    dim: PositiveInt = Field(description="hidden size")
+    layers: PositiveInt = Field(description="number of transformer blocks")
+    heads: PositiveInt = Field(description="attention (query) heads")
+    kv_heads: PositiveInt | None = Field(None, description="key/value heads for GQA; default: heads")
+    ffn_dim: PositiveInt = Field(description="hidden size of the SwiGLU feed-forward")
+    vocab: PositiveInt = Field(description="vocabulary size (byte-level text needs >= 256)")
+    seq_len: PositiveInt = Field(description="tokens per sample")
+    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base")
+    norm_eps: PositiveFloat = Field(1e-5, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="share the input embedding with the output head")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+
+class ParallelSection(Section):
+    """Parallel degrees. Their product is the world size; dp_replicate -1 takes what is left."""
+
+    dp_replicate: Annotated[int, Field(ge=-1)] = Field(
+        -1, description="replicated data-parallel degree; -1 infers it from the world size"
+    )
+    dp_shard: PositiveInt = Field(1, description="sharded data-parallel (ZeRO/FSDP) degree")
+    cp: PositiveInt = Field(1, description="context-parallel degree")
+    tp: PositiveInt = Field(1, description="tensor-parallel degree")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallel inside the tp group")
+    pp: PositiveInt = Field(1, description="pipeline-parallel degree")
+    schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")
+    virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
+    microbatches: PositiveInt | None = Field(
+        None,
+        description="gradient-accumulation count when pp = 1, pipeline microbatches otherwise; "
+        "derived from global_batch / (micro_batch * dp) when omitted",
+    )
+    optimizer_sharding: Sharding = Field(Sharding.none, description="none | zero1 | zero2 | zero3")
+
+    @field_validator("dp_replicate")
+    @classmethod
+    def _not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be a positive degree or -1 to infer it")
+        return value
+
+
+class TrainSection(Section):
+    global_batch: PositiveInt | None = Field(None, description="samples per optimizer step, all ranks together")
+    micro_batch: PositiveInt | None = Field(None, description="samples per forward pass on one rank")
+    steps: PositiveInt = Field(description="optimizer steps")
+    precision: Precision = Field(Precision.auto, description="auto: bf16 on GPU, fp32 on CPU")
+    activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
+    compile: bool = Field(False, description="torch.compile each block")
+    seed: NonNegativeInt = Field(0, description="seeds init and data order")
+
+
+class OptimizerSection(Section):
+    name: OptimizerName = Field(OptimizerName.adamw)
+    lr: PositiveFloat = Field(3e-4, description="peak learning rate")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="global grad-norm clip; 0 disables")
+    warmup: NonNegativeInt = Field(0, description="linear warmup steps")
+    decay: Decay = Field(Decay.cosine, description="shape after warmup")
+    min_lr: Annotated[float, Field(ge=0)] = Field(0.0, description="floor the decay reaches at the last step")
+
+
+class DataSection(Section):
+    source: DataSource = Field(DataSource.synthetic)
+    path: str | None = Field(None, description="a .bin of token ids (tokens) or a text file (text)")
+    dtype: TokenDtype = Field(TokenDtype.uint16, description="token id width in a .bin")
+    tokenizer: str = Field("byte", description="text only: 'byte' or a local tokenizer.json")
+
+
+class CheckpointSection(Section):
+    dir: str | None = Field(None, description="default: <run dir>/ckpt")
+    every: NonNegativeInt = Field(0, description="save every N steps; 0 never")
+    keep: PositiveInt = Field(3, description="committed checkpoints to keep")
+
+
+class WandbSection(Section):
+    project: str = "mantra"
+    entity: str | None = None
+    mode: WandbMode = WandbMode.offline
+    tags: tuple[str, ...] = ()
+
+
+class LoggingSection(Section):
+    every: PositiveInt = Field(10, description="log every N steps (and the last step)")
+    dir: str | None = Field(None, description="run directory; default runs/<name>")
+    sinks: tuple[Sink, ...] = Field((Sink.console, Sink.jsonl), description="console | jsonl | tensorboard | wandb")
+    wandb: WandbSection = WandbSection()
+    peak_tflops: PositiveFloat | None = Field(
+        None, description="peak TFLOP/s of one device for MFU; default from the device table"
+    )
+
+
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+
+
+class SlurmSection(Section):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = Field(1, description="one task per GPU")
+    cpus_per_task: PositiveInt | None = None
+    mem: str | None = None
+    time: str = Field("01:00:00", description="[D-]HH:MM:SS")
+    constraint: str | None = None
+    exclusive: bool = False
+    signal_grace_s: PositiveInt = Field(120, description="seconds between the warning signal and the kill")
+    extra: tuple[str, ...] = Field((), description="extra #SBATCH directives, e.g. '--reservation=x'")
+    setup: tuple[str, ...] = Field((), description="lines run before the task (module load, venv activate)")
+    container_image: str | None = Field(None, description="pyxis/enroot image")
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not _TIME.match(value):
+            raise ValueError(f"'{value}' is not a Slurm time; write [D-]HH:MM:SS, e.g. 04:00:00")
+        return value
+
+
+class LauncherSection(Section):
+    kind: LauncherKind = LauncherKind.local
+    nproc: PositiveInt = Field(1, description="local ranks (torchrun --nproc-per-node)")
+    slurm: SlurmSection = SlurmSection()
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class Manifest(Section):
+    """One training run, fully described."""
+
+    version: Literal[1] = Field(MANIFEST_VERSION, description="manifest format version")
+    name: str = Field(description="run name: letters, digits, '.', '_' and '-'")
+    model: ModelSection
+    parallel: ParallelSection = ParallelSection()
+    train: TrainSection
+    optimizer: OptimizerSection = OptimizerSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
+    launcher: LauncherSection = LauncherSection()
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"'{value}' is not a safe run name; use letters, digits, '.', '_' and '-'")
+        return value
