@@ -1,0 +1,44 @@
+"""Load a manifest: YAML with line numbers → strict schema → cross-field rules → resolved, frozen values.
+
+    from trainer.manifest import load_manifest
+    resolved, warnings = load_manifest("manifests/tiny-cpu.yaml", overrides=["train.steps=20"])
+
+Every problem is collected and raised at once as a ManifestError whose
+diagnostics render as `path:line:col: error: field: what is wrong; how to fix`.
+Torch-free: this runs on login nodes and in editors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from trainer.manifest.errors import Diagnostic, Location, ManifestError
+from trainer.manifest.resolve import Resolved, resolve
+from trainer.manifest.rules import check
+from trainer.manifest.schema import Manifest
+from trainer.manifest.source import apply_override, load_source
+from trainer.manifest.validate import validate_schema
+
+__all__ = ["Diagnostic", "Location", "Manifest", "ManifestError", "Resolved", "load_manifest", "dump_manifest"]
+
+
+def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Resolved, list[Diagnostic]]:
+    """Load, override, validate and resolve; returns the resolved run and the warnings."""
+    tree = load_source(path)
+    for override in overrides:
+        apply_override(tree, override)
+    manifest, errors = validate_schema(tree)
+    if manifest is None:
+        raise ManifestError(errors)
+    diagnostics = check(manifest, tree)
+    if any(d.severity == "error" for d in diagnostics):
+        raise ManifestError(diagnostics)
+    return resolve(manifest, str(path)), [d for d in diagnostics if d.severity == "warning"]
+
+
+def dump_manifest(manifest: Manifest) -> str:
+    """The complete manifest (defaults filled in) as YAML that loads back to the same values."""
+    return yaml.safe_dump(manifest.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,163 @@
+"""The `mantra` command: a thin layer over trainer.manifest and the launchers.
+
+    mantra validate manifests/tiny-cpu.yaml            # errors as FILE:LINE:COL, exit 2
+    mantra run      manifests/tiny-cpu.yaml --nproc 2  # torchrun --standalone, 2 ranks
+    mantra dry-run  manifests/tiny-cpu.yaml            # layout, parameters per rank, the command
+    mantra schema   > manifests/schema.json            # JSON Schema for editors
+    mantra models                                      # installed model kinds
+    mantra tokenize corpus.txt --out data/train.bin    # text -> token ids
+
+Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(Exception):
+    """A user mistake outside any manifest (arguments, files): one line, exit 2."""
+
+
+def _print(diagnostics: Sequence[Diagnostic]) -> None:
+    for d in diagnostics:
+        print(d.render(), file=sys.stderr)
+
+
+def _load(args: argparse.Namespace) -> Resolved:
+    overrides = list(args.set or [])
+    if getattr(args, "nproc", None) is not None:
+        overrides.append(f"launcher.nproc={args.nproc}")
+    run, warnings = load_manifest(args.manifest, overrides)
+    _print(warnings)
+    return run
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.manifests:
+        try:
+            run, warnings = load_manifest(path, list(args.set or []))
+        except ManifestError as exc:
+            _print(exc.diagnostics + exc.warnings)
+            bad += 1
+            continue
+        _print(warnings)
+        b = run.batch
+        print(f"{path}: ok: world {run.world_size}, dp {run.dp}, global_batch {b.global_batch} "
+              f"= {b.micro_batch} x {b.microbatches} x {run.dp}, {run.manifest.train.steps} steps")
+    return EXIT_BAD_INPUT if bad else EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from launchers.local import run_local
+
+    return run_local(_load(args))
+
+
+def cmd_dry_run(args: argparse.Namespace) -> int:
+    from launchers.dry_run import print_dry_run
+
+    print_dry_run(_load(args))
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from trainer.manifest.schema import Manifest
+
+    print(json.dumps(manifest_json_schema(Manifest), indent=2))
+    return EXIT_OK
+
+
+def manifest_json_schema(manifest_cls) -> dict:
+    schema = manifest_cls.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "mantra manifest"
+    return schema
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from trainer.models import MODELS, get_model_spec
+
+    get_model_spec("llama")  # make sure the built-ins are registered
+    for name in MODELS.names():
+        print(f"{name:16} {MODELS.get(name).description}")
+    return EXIT_OK
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from trainer.data import DataError, tokenize_text
+
+    try:
+        n = tokenize_text(args.input, args.out, tokenizer=args.tokenizer, dtype=args.dtype)
+    except DataError as exc:
+        raise BadInput(str(exc)) from None
+    print(f"{args.out}: {n:,} tokens")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_manifest(p: argparse.ArgumentParser, many: bool = False) -> None:
+        if many:
+            p.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest YAML file(s)")
+        else:
+            p.add_argument("manifest", metavar="MANIFEST", help="manifest YAML file")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a field, value read as YAML (repeatable), e.g. --set train.steps=20")
+
+    p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
+    with_manifest(p, many=True)
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")
+    with_manifest(p)
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")
+    with_manifest(p)
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+    p.set_defaults(fn=cmd_dry_run)
+
+    p = sub.add_parser("schema", help="print the manifest's JSON Schema")
+    p.set_defaults(fn=cmd_schema)
+
+    p = sub.add_parser("models", help="list the installed model kinds")
+    p.set_defaults(fn=cmd_models)
+
+    p = sub.add_parser("tokenize", help="turn a text file into a .bin of token ids")
+    p.add_argument("input", metavar="TEXT", help="UTF-8 text file")
+    p.add_argument("--out", required=True, metavar="BIN", help="output .bin")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a local tokenizer.json")
+    p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width; default: the smallest that fits")
+    p.set_defaults(fn=cmd_tokenize)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ManifestError as exc:
+        _print(exc.diagnostics + exc.warnings)
+        return EXIT_BAD_INPUT
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

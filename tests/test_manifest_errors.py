@@ -1,0 +1,160 @@
+"""Bad manifests: each gives one line `path:LINE:COL: error: field: ...`, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from launchers.cli import main
+
+BASE = """\
+name: t
+model:
+  dim: 64
+  layers: 2
+  heads: 4
+  kv_heads: 2
+  ffn_dim: 128
+  vocab: 256
+  seq_len: 32
+train:
+  global_batch: 8
+  micro_batch: 4
+  steps: 5
+data:
+  source: synthetic
+"""
+
+
+def with_lines(**replace: str) -> str:
+    """BASE with whole lines replaced, by 1-based number: with_lines(l5="  heads: 3")."""
+    lines = BASE.splitlines()
+    for key, text in replace.items():
+        lines[int(key[1:]) - 1] = text
+    return "\n".join(lines) + "\n"
+
+
+def plus(extra: str) -> str:
+    return BASE + textwrap.dedent(extra)
+
+
+# (id, manifest text, overrides, "LINE:COL", field, words the message must contain)
+CASES = [
+    ("unknown-top-key", plus("optimiser: {lr: 1.0}\n"), [], "16:1", "optimiser", "did you mean 'optimizer'"),
+    ("unknown-nested-key", plus("parallel:\n  optimizer_shardng: zero1\n"), [], "17:3", "parallel.optimizer_shardng", "did you mean 'optimizer_sharding'"),
+    ("unknown-key-no-suggestion", with_lines(l9="  seq_len: 32\n  zzz: 1"), [], "10:3", "model.zzz", "allowed keys"),
+    ("duplicate-key", with_lines(l5="  heads: 4\n  heads: 8"), [], "6:3", "model.heads", "duplicate key (first set on line 5)"),
+    ("missing-required", with_lines(l3="  # dim removed"), [], "2:1", "model.dim", "required key is missing"),
+    ("missing-section", BASE.replace("train:\n  global_batch: 8\n  micro_batch: 4\n  steps: 5\n", ""), [], "1:1", "train", "required key is missing"),
+    ("not-an-int", with_lines(l4="  layers: two"), [], "4:11", "model.layers", "expected a whole number, got 'two'"),
+    ("float-for-int", with_lines(l4="  layers: 2.5"), [], "4:11", "model.layers", "expected a whole number"),
+    ("zero-dim", with_lines(l3="  dim: 0"), [], "3:8", "model.dim", "must be greater than 0"),
+    ("negative-steps", with_lines(l13="  steps: -1"), [], "13:10", "train.steps", "must be greater than 0"),
+    ("bad-enum-precision", with_lines(l13="  steps: 5\n  precision: fp16"), [], "14:14", "train.precision", "use one of auto, fp32, bf16"),
+    ("bad-schedule", plus("parallel:\n  schedule: 1f2b\n"), [], "17:13", "parallel.schedule", "use one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v"),
+    ("bad-sharding", plus("parallel:\n  optimizer_sharding: zero4\n"), [], "17:23", "parallel.optimizer_sharding", "'zero4' is not allowed"),
+    ("bad-source", with_lines(l15="  source: parquet"), [], "15:11", "data.source", "use one of synthetic, tokens, text"),
+    ("bad-sink", plus("logging:\n  sinks: [console, csv]\n"), [], "17:20", "logging.sinks[1]", "'csv' is not allowed"),
+    ("betas-short", plus("optimizer:\n  betas: [0.9]\n"), [], "17:10", "optimizer.betas", "expected 2 values, got 1"),
+    ("betas-out-of-range", plus("optimizer:\n  betas: [0.9, 1.5]\n"), [], "17:16", "optimizer.betas[1]", "must be less than 1"),
+    ("bool-wrong", plus("parallel:\n  sequence_parallel: maybe\n"), [], "17:22", "parallel.sequence_parallel", "expected true or false"),
+    ("section-not-mapping", with_lines(l14="data: synthetic", l15=""), [], "14:7", "data", "expected a section"),
+    ("bad-name", with_lines(l1="name: my run/1"), [], "1:7", "name", "not a safe run name"),
+    ("bad-version", "version: 2\n" + BASE, [], "1:10", "version", "use one of 1"),
+    ("slurm-time", plus("launcher:\n  slurm: {time: 4h}\n"), [], "17:17", "launcher.slurm.time", "not a slurm time"),
+    ("tp-heads", plus("parallel:\n  tp: 3\n"), [], "17:7", "parallel.tp", "3 does not divide model.heads (4); use 1, 2 or 4"),
+    ("tp-kv-heads", plus("parallel:\n  tp: 4\n"), ["launcher.nproc=4"], "17:7", "parallel.tp", "does not divide model.kv_heads (2)"),
+    ("world-mismatch", plus("parallel:\n  dp_replicate: 4\n"), [], "16:1", "parallel", "= 4 but the world size is 1"),
+    ("world-not-divisible", plus("parallel:\n  dp_shard: 2\n  optimizer_sharding: zero2\n"), ["launcher.nproc=3"], "16:1", "parallel", "does not divide the world size"),
+    ("sp-without-tp", plus("parallel:\n  sequence_parallel: true\n"), [], "17:22", "parallel.sequence_parallel", "needs tp > 1"),
+    ("layers-over-stages", plus("parallel:\n  pp: 2\n  virtual_stages: 2\n  schedule: interleaved-1f1b\n"), ["launcher.nproc=2"], "4:11", "model.layers", "do not split evenly over pp·virtual_stages = 2·2"),
+    ("zbv-needs-v2", plus("parallel:\n  pp: 2\n  schedule: zb-v\n"), ["launcher.nproc=2"], "16:1", "parallel.virtual_stages", "set virtual_stages: 2"),
+    ("v-without-interleave", plus("parallel:\n  virtual_stages: 2\n"), [], "17:19", "parallel.virtual_stages", "use schedule interleaved-1f1b or zb-v"),
+    ("1f1b-microbatches", with_lines(l12="  micro_batch: 8") + "parallel:\n  pp: 2\n", ["launcher.nproc=2"], "16:1", "parallel.microbatches", "needs at least pp = 2 microbatches, got 1"),
+    ("batch-mismatch", with_lines(l11="  global_batch: 10"), [], "11:17", "train.global_batch", "not divisible by micro_batch·dp = 4·1"),
+    ("batch-three-disagree", plus("parallel:\n  microbatches: 3\n"), [], "11:17", "train.global_batch", "8 != micro_batch·microbatches·dp"),
+    ("shard-without-sharding", plus("parallel:\n  dp_shard: 2\n"), ["launcher.nproc=2"], "17:13", "parallel.dp_shard", "shards nothing"),
+    ("min-lr-above-lr", plus("optimizer:\n  lr: 1.0e-4\n  min_lr: 1.0e-3\n"), [], "18:11", "optimizer.min_lr", "above lr"),
+    ("unknown-model-kind", plus("").replace("model:\n", "model:\n  kind: lama\n"), [], "3:9", "model.kind", "did you mean 'llama'"),
+    ("model-kv-heads", with_lines(l6="  kv_heads: 3"), [], "6:13", "model.kv_heads", ""),
+    ("data-path-missing", with_lines(l15="  source: tokens\n  path: nowhere/train.bin"), [], "16:9", "data.path", "does not exist"),
+    ("text-vocab-too-small", with_lines(l8="  vocab: 100", l15="  source: text\n  path: manifests/data/python-docs.txt"), [], "14:1", "data.tokenizer", "256"),
+    ("not-supported-tp", plus("parallel:\n  tp: 2\n"), ["launcher.nproc=2"], "17:7", "parallel.tp", "not supported yet"),
+    ("not-supported-slurm", plus("launcher:\n  kind: slurm\n"), [], "17:9", "launcher.kind", "not supported yet"),
+    ("override-bad-value", BASE, ["train.steps=zero"], None, "train.steps", "expected a whole number"),
+    ("override-unknown-key", BASE, ["train.stepz=3"], None, "train.stepz", "did you mean 'steps'"),
+    ("override-rule", BASE, ["parallel.tp=3"], None, "parallel.tp", "3 does not divide model.heads"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_manifest(case, tmp_path, capsys, monkeypatch):
+    name, text, overrides, where, field, words = case
+    monkeypatch.chdir(tmp_path.parent if "manifests/data" not in text else _repo_root())
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    argv = ["validate", str(path)] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert lines, err
+    if where is None:  # an override: the message names the override, not a file position
+        prefix = f"--set {overrides[0]}: error: {field}: "
+    else:
+        prefix = f"{path}:{where}: error: {field}: "
+    matching = [line for line in lines if line.startswith(prefix)]
+    assert matching, f"no line starts with {prefix!r}:\n{err}"
+    assert words.lower() in matching[0].lower(), matching[0]
+    assert "Traceback" not in err
+
+
+def _repo_root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[1]
+
+
+def test_case_count():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("", "1:1: error: the manifest is empty"),
+        ("- a\n- b\n", "1:1: error: the manifest must be a mapping"),
+        ("name: [unclosed\n", "error: invalid YAML"),
+        ("name: x\n  bad indent: 1\n", "2:13: error: invalid YAML"),
+        ("name: !!python/object:os.system x\n", "1:7: error: name: invalid YAML: tag"),
+    ],
+)
+def test_unreadable_documents(text, expected, tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:" in err and expected in err, err
+
+
+def test_missing_file(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    assert f"{tmp_path / 'nope.yaml'}: error: file not found" in capsys.readouterr().err
+
+
+def test_all_errors_reported_at_once(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(with_lines(l3="  dim: -1", l13="  steps: x") + "bogus: 1\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len([line for line in err if ": error: " in line]) == 3, err
+
+
+def test_real_exit_code_and_no_traceback(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(with_lines(l5="  heads: 4\n  heads: 8"))
+    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{path}:6:3: error: model.heads: duplicate key (first set on line 5); keep one of them"

@@ -1,0 +1,150 @@
+"""Derived values: world size, inferred dp, the batch arithmetic, the run directory.
+
+Validators never mutate; this is the one place values are derived. The trainer
+only ever sees the frozen `Resolved` object.
+
+    world        = dp_replicate · dp_shard · cp · tp · pp
+    global_batch = micro_batch · microbatches · dp          (dp = dp_replicate · dp_shard)
+
+Give any two of global_batch, micro_batch and microbatches; the third is
+derived. With only one given, microbatches defaults to 1 without a pipeline
+and to pp with one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.manifest.schema import LauncherKind, Manifest
+
+
+class Unresolvable(ValueError):
+    """A derivation that cannot be done; carries the manifest fields it concerns."""
+
+    def __init__(self, fields: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.fields = fields
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Batch:
+    global_batch: int
+    micro_batch: int
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class Resolved:
+    manifest: Manifest
+    source: str  # the manifest path (or "<overrides>") it came from
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    batch: Batch
+    run_dir: Path
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_accum(self) -> int:
+        """Forward/backward passes per optimizer step on one rank (pp = 1)."""
+        return self.batch.microbatches if self.manifest.parallel.pp == 1 else 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch.global_batch * self.manifest.model.seq_len
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.manifest.checkpoint.dir) if self.manifest.checkpoint.dir else self.run_dir / "ckpt"
+
+
+def world_size(m: Manifest) -> int:
+    if m.launcher.kind == LauncherKind.slurm:
+        return m.launcher.slurm.nodes * m.launcher.slurm.gpus_per_node
+    return m.launcher.nproc
+
+
+def world_field(m: Manifest) -> str:
+    return "launcher.slurm.nodes" if m.launcher.kind == LauncherKind.slurm else "launcher.nproc"
+
+
+def derive_dp_replicate(m: Manifest) -> int:
+    p = m.parallel
+    world = world_size(m)
+    others = p.dp_shard * p.cp * p.tp * p.pp
+    how = f"{world_field(m)} = {world}" if m.launcher.kind == LauncherKind.local else (
+        f"launcher.slurm.nodes · gpus_per_node = {world}"
+    )
+    if p.dp_replicate == -1:
+        if world % others:
+            raise Unresolvable(
+                ("parallel",),
+                f"dp_shard·cp·tp·pp = {others} does not divide the world size ({how}); "
+                f"use a world size that is a multiple of {others}",
+            )
+        return world // others
+    total = p.dp_replicate * others
+    if total != world:
+        raise Unresolvable(
+            ("parallel",),
+            f"dp_replicate·dp_shard·cp·tp·pp = {total} but the world size is {world} ({how}); "
+            "make them equal, or set dp_replicate: -1 to infer it",
+        )
+    return p.dp_replicate
+
+
+def derive_batch(m: Manifest, dp: int) -> Batch:
+    g, mb = m.train.global_batch, m.train.micro_batch
+    n = m.parallel.microbatches
+    given = sum(x is not None for x in (g, mb, n))
+    if given == 0:
+        raise Unresolvable(("train.global_batch",), "give two of train.global_batch, train.micro_batch, parallel.microbatches")
+    if given == 1 and n is None:
+        n = 1 if m.parallel.pp == 1 else m.parallel.pp
+    if g is None:
+        return Batch(mb * n * dp, mb, n)
+    if mb is None:
+        if g % (n * dp):
+            raise Unresolvable(
+                ("train.global_batch",),
+                f"{g} is not divisible by microbatches·dp = {n}·{dp}; use a multiple of {n * dp}",
+            )
+        return Batch(g, g // (n * dp), n)
+    if n is None:
+        if g % (mb * dp):
+            raise Unresolvable(
+                ("train.global_batch",),
+                f"{g} is not divisible by micro_batch·dp = {mb}·{dp}; use a multiple of {mb * dp}",
+            )
+        return Batch(g, mb, g // (mb * dp))
+    if g != mb * n * dp:
+        raise Unresolvable(
+            ("train.global_batch",),
+            f"{g} != micro_batch·microbatches·dp = {mb}·{n}·{dp} = {mb * n * dp}; "
+            "fix one of them, or leave one out to derive it",
+        )
+    return Batch(g, mb, n)
+
+
+def run_dir(m: Manifest) -> Path:
+    return Path(m.logging.dir) if m.logging.dir else Path("runs") / m.name
+
+
+def resolve(m: Manifest, source: str) -> Resolved:
+    """Derive everything; raises Unresolvable on arithmetic that does not add up."""
+    dp_replicate = derive_dp_replicate(m)
+    batch = derive_batch(m, dp_replicate * m.parallel.dp_shard)
+    return Resolved(
+        manifest=m,
+        source=source,
+        world_size=world_size(m),
+        dp_replicate=dp_replicate,
+        dp_shard=m.parallel.dp_shard,
+        batch=batch,
+        run_dir=run_dir(m),
+    )

@@ -1,0 +1,211 @@
+"""Cross-field rules: each a small function yielding findings that name the fields and the fix.
+
+A rule sees the schema-valid manifest and yields `Finding(field, message)`;
+`check()` turns findings into located diagnostics. Features that are declared
+in the schema but not built yet fail here with "not supported yet", never deep
+inside a run: delete the line in `not_supported_yet` when the feature lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.manifest.errors import Diagnostic
+from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp_replicate
+from trainer.manifest.schema import LauncherKind, Manifest, Recompute, Schedule, Sharding
+from trainer.manifest.source import SourceTree
+
+
+@dataclass(frozen=True)
+class Finding:
+    field: str
+    message: str
+    severity: Literal["error", "warning"] = "error"
+
+
+Rule = Callable[[Manifest], Iterator[Finding]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + f" or {ds[-1]}" if len(ds) > 1 else ds[0]
+
+
+@rule
+def degrees_match_world(m: Manifest) -> Iterator[Finding]:
+    try:
+        derive_dp_replicate(m)
+    except Unresolvable as exc:
+        yield Finding(exc.fields[0], exc.message)
+
+
+@rule
+def batch_arithmetic(m: Manifest) -> Iterator[Finding]:
+    try:
+        dp = derive_dp_replicate(m) * m.parallel.dp_shard
+    except Unresolvable:
+        return  # reported by degrees_match_world
+    try:
+        derive_batch(m, dp)
+    except Unresolvable as exc:
+        yield Finding(exc.fields[0], exc.message)
+
+
+@rule
+def heads_split_over_tp(m: Manifest) -> Iterator[Finding]:
+    tp = m.parallel.tp
+    if m.model.heads % tp:
+        yield Finding("parallel.tp", f"{tp} does not divide model.heads ({m.model.heads}); use {_divisors(m.model.heads)}")
+    elif m.model.n_kv_heads % tp:
+        yield Finding(
+            "parallel.tp",
+            f"{tp} does not divide model.kv_heads ({m.model.n_kv_heads}); use {_divisors(m.model.n_kv_heads)}",
+        )
+
+
+@rule
+def sequence_parallel_needs_tp(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if not p.sequence_parallel:
+        return
+    if p.tp == 1:
+        yield Finding("parallel.sequence_parallel", "needs tp > 1 (it shards activations inside the tp group); set parallel.tp or turn it off")
+    elif m.model.seq_len % p.tp:
+        yield Finding(
+            "parallel.sequence_parallel",
+            f"model.seq_len ({m.model.seq_len}) is not divisible by tp ({p.tp}); use a seq_len that is a multiple of {p.tp}",
+        )
+
+
+@rule
+def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    chunks = p.pp * p.virtual_stages
+    if m.model.layers % chunks:
+        yield Finding(
+            "model.layers",
+            f"{m.model.layers} layers do not split evenly over pp·virtual_stages = {p.pp}·{p.virtual_stages}; "
+            f"use a multiple of {chunks} layers",
+        )
+
+
+@rule
+def schedule_shape(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if p.schedule == Schedule.zb_v and p.virtual_stages != 2:
+        yield Finding("parallel.virtual_stages", f"zb-v folds the model into a V of 2 chunks per rank, got {p.virtual_stages}; set virtual_stages: 2")
+    elif p.schedule == Schedule.interleaved_1f1b and p.pp > 1 and p.virtual_stages < 2:
+        yield Finding("parallel.virtual_stages", "interleaved-1f1b needs at least 2 chunks per rank; set virtual_stages: 2 or more")
+    elif p.virtual_stages > 1 and p.schedule not in (Schedule.interleaved_1f1b, Schedule.zb_v):
+        yield Finding(
+            "parallel.virtual_stages",
+            f"{p.schedule.value} runs one chunk per rank, got {p.virtual_stages}; use schedule interleaved-1f1b or zb-v, or virtual_stages: 1",
+        )
+
+
+@rule
+def schedule_microbatches(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if p.pp == 1:
+        return
+    try:
+        n = derive_batch(m, derive_dp_replicate(m) * p.dp_shard).microbatches
+    except Unresolvable:
+        return
+    if p.schedule == Schedule.interleaved_1f1b and n % p.pp:
+        yield Finding("parallel.microbatches", f"interleaved-1f1b needs microbatches divisible by pp ({p.pp}), got {n}; use a multiple of {p.pp}")
+    elif p.schedule != Schedule.gpipe and n < p.pp:
+        yield Finding("parallel.microbatches", f"{p.schedule.value} needs at least pp = {p.pp} microbatches, got {n}; raise it to {p.pp} or more")
+
+
+@rule
+def sharding_degree(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if p.optimizer_sharding == Sharding.none and p.dp_shard > 1:
+        yield Finding(
+            "parallel.dp_shard",
+            f"{p.dp_shard} shards nothing with optimizer_sharding none; choose zero1, zero2 or zero3, or move the degree to dp_replicate",
+        )
+    if p.optimizer_sharding == Sharding.zero3 and p.pp > 1:
+        yield Finding(
+            "parallel.optimizer_sharding",
+            "zero3 with pp > 1 re-gathers parameters for every microbatch; zero1 or zero2 is usually faster",
+            "warning",
+        )
+
+
+@rule
+def optimizer_schedule(m: Manifest) -> Iterator[Finding]:
+    o = m.optimizer
+    if o.min_lr > o.lr:
+        yield Finding("optimizer.min_lr", f"{o.min_lr} is above lr ({o.lr}); use a floor at or below lr")
+    if o.warmup >= m.train.steps:
+        yield Finding("optimizer.warmup", f"{o.warmup} warmup steps cover the whole run of {m.train.steps} steps", "warning")
+
+
+@rule
+def model_plugin(m: Manifest) -> Iterator[Finding]:
+    from trainer.models import get_model_spec
+    from trainer.registry import UnknownNameError
+
+    try:
+        spec = get_model_spec(m.model.kind)
+    except UnknownNameError as exc:
+        yield Finding("model.kind", str(exc.args[0]))
+        return
+    for field, message in spec.check(m.model):
+        yield Finding(f"model.{field}", message)
+
+
+@rule
+def data_source(m: Manifest) -> Iterator[Finding]:
+    from trainer.data import check_data
+
+    for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
+        yield Finding(f"data.{field}", message)
+
+
+_LATER = "not supported yet"
+
+
+@rule
+def not_supported_yet(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if p.tp > 1:
+        yield Finding("parallel.tp", f"{_LATER}: tensor parallel arrives with the parallel-core issue; use tp: 1")
+    if p.pp > 1:
+        yield Finding("parallel.pp", f"{_LATER}: pipeline parallel arrives with the pipeline issue; use pp: 1")
+    if p.cp > 1:
+        yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
+    if p.optimizer_sharding != Sharding.none:
+        yield Finding(
+            "parallel.optimizer_sharding",
+            f"{_LATER}: {p.optimizer_sharding.value} arrives with the parallel-core issue; use none (plain data parallel)",
+        )
+    if m.train.activation_checkpointing == Recompute.selective:
+        yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute arrives with the parallel-core issue; use none or full")
+    if m.checkpoint.every > 0:
+        yield Finding("checkpoint.every", f"{_LATER}: checkpoints arrive with the checkpoint issue; set 0")
+    if m.launcher.kind == LauncherKind.slurm:
+        yield Finding("launcher.kind", f"{_LATER}: `mantra submit` arrives with the Slurm issue; use local")
+
+
+def _path(field: str) -> tuple[str, ...]:
+    return tuple(field.split("."))
+
+
+def check(m: Manifest, tree: SourceTree) -> list[Diagnostic]:
+    """Run every rule; locate each finding at its field (or the nearest parent written)."""
+    out = []
+    for fn in RULES:
+        for f in fn(m):
+            out.append(Diagnostic(tree.locate(_path(f.field)), f.field, f.message, f.severity))
+    return out

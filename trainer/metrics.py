@@ -1,0 +1,318 @@
+"""Throughput, MFU, memory and the sinks that report them (console, JSONL, TensorBoard, W&B).
+
+The peak table and FLOPs helpers are torch-free; torch, rich, tensorboard and wandb are imported
+where needed. Every sink writes exactly `METRIC_KEYS` per logged step; a None value (mfu on a
+CPU) is null in JSONL, "n/a" on the console, and skipped by TensorBoard and W&B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
+_INTS = ("step", "peak_mem_bytes")
+
+# Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
+# substring of torch.cuda.get_device_name(); the longest matching key wins.
+DEVICE_PEAK_TFLOPS: dict[str, float] = {
+    "H100 PCIe": 756.0,  # NVIDIA H100 datasheet, PCIe column: 1,513 TFLOPS with sparsity
+    "H100": 989.0,  # NVIDIA H100 datasheet, SXM column: 1,979 TFLOPS with sparsity
+    "H200": 989.0,  # NVIDIA H200 datasheet: 1,979 with sparsity; same GH100 compute die as H100 SXM
+    "A100": 312.0,  # NVIDIA A100 datasheet: BF16 tensor core 312 TFLOPS (624 with sparsity)
+    "B200": 2250.0,  # NVIDIA HGX B200 datasheet: 4.5 PFLOPS FP16/BF16 per GPU with sparsity
+}
+
+
+def peak_flops(device_type: str, device_name: str | None, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device: the override (logging.peak_tflops) wins, then the table; None
+    for a CPU or an unknown accelerator (MFU is then unknown rather than computed from a guess)."""
+    if override_tflops is not None:
+        return float(override_tflops) * 1e12
+    if device_type != "cuda" or not device_name:
+        return None
+    matches = [key for key in DEVICE_PEAK_TFLOPS if key.lower() in device_name.lower()]
+    return DEVICE_PEAK_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
+
+
+def flops_per_token(n_params: int, layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recompute): 6N + 12·L·d·s, PaLM's estimate
+    (Chowdhery et al. 2022, app. B); N counts matmul parameters (head yes, embedding lookup no)."""
+    return 6.0 * n_params + 12.0 * layers * dim * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None, n_devices: int) -> float | None:
+    """Model FLOPs utilisation over all devices (tokens_per_s is the global rate); None without a peak."""
+    if peak_flops is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops * n_devices)
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """Peak memory of this rank so far, in bytes. CUDA: `torch.cuda.max_memory_allocated`, the
+    tensors held through the caching allocator. CPU: the process's peak resident set size (ru_maxrss,
+    KiB on Linux, bytes on macOS): everything the process ever held (interpreter, libraries, data),
+    never reset, so only an upper bound of tensor memory and not comparable with the CUDA number."""
+    if str(device).startswith("cuda"):
+        import torch
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class StepTimer:
+    """Step wall time: perf_counter, CUDA synchronized first so queued kernels count; stop() -> seconds."""
+
+    def __init__(self, device: Any = "cpu") -> None:
+        self._cuda, self._t0, self.elapsed = str(device).startswith("cuda"), 0.0, 0.0
+
+    def _now(self) -> float:
+        if self._cuda:
+            import torch
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = self._now()
+
+    def stop(self) -> float:
+        self.elapsed = self._now() - self._t0
+        return self.elapsed
+
+
+
+def _missing(package: str) -> RuntimeError:
+    return RuntimeError(f"logging.sinks: {package} is listed but the {package} package is not installed; "
+                        f"pip install 'mantra[{package}]' or remove it from logging.sinks")
+
+
+class ConsoleSink:
+    """A transient rich bar on stderr (only when stdout is a terminal) and one plain line per logged step."""
+    name = "console"
+
+    def __init__(self, total_steps: int, device_type: str | None = None) -> None:
+        self.total_steps, self._progress, self._task = total_steps, None, None
+        if device_type is None:  # only words the "mfu n/a" note
+            import torch
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._mfu_na = "n/a (cpu)" if device_type == "cpu" else "n/a (unknown peak; set logging.peak_tflops)"
+        if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
+                self._progress = Progress(*columns, console=console, transient=True)
+
+    def advance(self, step: int, loss: float | None = None) -> None:
+        """Move the bar to `step`; cheap enough for every step, a no-op without a terminal."""
+        if self._progress is None:
+            return
+        shown = "-" if loss is None else f"{float(loss):.4f}"
+        if self._task is None:
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, loss=shown)
+        self._progress.update(self._task, completed=step, loss=shown)
+
+    def format(self, m: dict[str, Any]) -> str:
+        """The line printed at a logged step."""
+        def num(key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+            return "n/a" if m[key] is None else format(m[key] / scale, fmt) + unit
+
+        return " | ".join([
+            f"step {m['step']:>{len(str(self.total_steps))}}/{self.total_steps}",
+            f"loss {num('loss', '.4f')}", f"grad_norm {num('grad_norm', '.3f')}", f"lr {num('lr', '.2e')}",
+            f"{num('tokens_per_s', ',.0f')} tok/s",
+            f"mfu {self._mfu_na if m['mfu'] is None else format(m['mfu'], '.1%')}",
+            f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}", f"{num('step_time_s', '.3f')} s/step",
+        ])
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        line = self.format(metrics)
+        if self._task is not None:  # the live bar owns the terminal: print above it
+            self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = self._task = None
+
+
+class JsonlSink:
+    """<run_dir>/metrics.jsonl: one object per logged step, flushed at once; appends on resume."""
+    name = "jsonl"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars `train/<key>` at global_step=step in <run_dir>/tensorboard."""
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise _missing("tensorboard") from err
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self._writer.add_scalar(f"train/{key}", value, global_step=metrics["step"])
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+class WandbSink:
+    """A W&B run in <run_dir>/wandb: name, project, entity, mode, tags, and the manifest as config."""
+    name = "wandb"
+
+    def __init__(self, section: Any, run_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise _missing("wandb") from err
+        mode, root = getattr(section.mode, "value", section.mode), run_dir / "wandb"
+        # The wandb-core service reads these when the process's first wandb.init starts it: keep
+        # its logs, cache and config inside the run dir; variables the user set are left alone.
+        env = {"WANDB_SILENT": "true", "WANDB_CACHE_DIR": str(root / "cache"), "WANDB_CONFIG_DIR": str(root / "config"),
+               "WANDB_DATA_DIR": str(root / "data"), "WANDB_ARTIFACT_DIR": str(root / "artifacts")}
+        unset = [key for key in env if key not in os.environ]
+        os.environ.update({key: env[key] for key in unset})
+        settings = wandb.Settings(  # only our metrics: no git, code, system stats or requirements
+            silent=True, console="off", disable_git=True, save_code=False, disable_code=True,
+            disable_job_creation=True, x_save_requirements=False, x_disable_stats=True,
+            x_disable_meta=True, x_disable_machine_info=True,
+        )
+        try:
+            self._run = wandb.init(
+                project=section.project, entity=section.entity, name=run_name, mode=mode, dir=str(run_dir),
+                tags=list(section.tags) or None, config=json.loads(json.dumps(config, default=str)), settings=settings,
+            )
+        except Exception as err:
+            raise RuntimeError(
+                f"logging.wandb: wandb.init failed (mode={mode}): {err}; for online mode run "
+                "`wandb login` or set WANDB_API_KEY, or set logging.wandb.mode: offline"
+            ) from err
+        finally:
+            for key in unset:
+                os.environ.pop(key, None)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._run.log({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=metrics["step"])
+
+    def close(self) -> None:
+        """finish() returns before wandb-core has closed the .wandb file; teardown() waits for it
+        (and stops the process's wandb service, so the next run starts its own in its run dir)."""
+        import wandb
+        self._run.finish()
+        wandb.teardown()
+
+
+class Sinks:
+    """The sinks of one run: `log` writes one step to each, `advance` moves the console bar."""
+
+    def __init__(self, sinks: list[Any], *, every: int = 1, total_steps: int = 0) -> None:
+        self.sinks, self.every, self.total_steps, self._closed = tuple(sinks), every, total_steps, False
+
+    def should_log(self, step: int) -> bool:
+        """Every `logging.every` steps and the last step."""
+        return step % self.every == 0 or step == self.total_steps
+
+    def advance(self, step: int, loss: float | None = None) -> None:
+        for sink in self.sinks:
+            if isinstance(sink, ConsoleSink):
+                sink.advance(step, loss)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Write one step (keys exactly METRIC_KEYS); the first failing sink raises, naming itself."""
+        if set(metrics) != set(METRIC_KEYS):
+            missing, unknown = sorted(set(METRIC_KEYS) - set(metrics)), sorted(set(metrics) - set(METRIC_KEYS))
+            raise ValueError(f"metrics must have exactly {METRIC_KEYS}; missing {missing}, unknown {unknown}")
+        clean = {k: None if metrics[k] is None else (int if k in _INTS else float)(metrics[k]) for k in METRIC_KEYS}
+        for sink in self.sinks:
+            try:
+                sink.log(clean)
+            except Exception as err:
+                raise RuntimeError(f"logging sink '{sink.name}' failed at step {clean['step']}: "
+                                   f"{type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Close every sink once; after closing the others, raise the first failure."""
+        if self._closed:
+            return
+        self._closed = True
+        first: tuple[str, Exception] | None = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:
+                first = first or (sink.name, err)
+        if first:
+            raise RuntimeError(f"logging sink '{first[0]}' failed to close: {first[1]}") from first[1]
+
+    def __enter__(self) -> Sinks:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise
+            log.warning("closing the logging sinks failed during another error", exc_info=True)
+
+
+def build_sinks(
+    logging_cfg: Any, *, run_dir: Path, run_name: str, total_steps: int, config: dict[str, Any],
+    is_rank0: bool, device_type: str | None = None,
+) -> Sinks:
+    """The sinks named in logging.sinks, on rank 0 only (other ranks get an empty, silent Sinks).
+    wandb with mode disabled is not built (the package need not be installed). `device_type`
+    ("cpu" | "cuda") only words the console's "mfu n/a" note; guessed when omitted."""
+    if not is_rank0:
+        return Sinks([], every=logging_cfg.every, total_steps=total_steps)
+    run_dir, built = Path(run_dir), []
+    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir),
+              "tensorboard": lambda: TensorBoardSink(run_dir),
+              "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config)}
+    wandb_off = getattr(logging_cfg.wandb.mode, "value", logging_cfg.wandb.mode) == "disabled"
+    try:
+        for name in dict.fromkeys(getattr(s, "value", s) for s in logging_cfg.sinks):
+            if name not in makers:
+                raise ValueError(f"logging.sinks: unknown sink '{name}'")
+            if name == "wandb" and wandb_off:
+                continue
+            if name != "console":
+                run_dir.mkdir(parents=True, exist_ok=True)
+            built.append(makers[name]())
+    except BaseException:
+        with contextlib.suppress(Exception):  # keep the build error, not a close error
+            Sinks(built).close()
+        raise
+    return Sinks(built, every=logging_cfg.every, total_steps=total_steps)

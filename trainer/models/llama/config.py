@@ -1,0 +1,68 @@
+"""Llama shape rules and counts, torch-free (used by `mantra validate` and `plan`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.manifest.schema import ModelSection
+
+
+def _divisors(n: int) -> str:
+    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(found[:-1]) + f" or {found[-1]}" if len(found) > 1 else found[0]
+
+
+def check(cfg: ModelSection) -> list[tuple[str, str]]:
+    """Cross-field problems as (field, message) pairs; empty when the shape is buildable."""
+    issues: list[tuple[str, str]] = []
+    if cfg.dim % cfg.heads:
+        issues.append(("dim", f"{cfg.dim} is not divisible by heads ({cfg.heads}); choose dim a multiple of heads"))
+    elif (cfg.dim // cfg.heads) % 2:
+        issues.append(
+            ("dim", f"head dim {cfg.dim // cfg.heads} (dim {cfg.dim} / heads {cfg.heads}) is odd; "
+             "rope needs an even head dim, choose dim / heads even")
+        )
+    if cfg.heads % cfg.n_kv_heads:
+        issues.append(
+            ("kv_heads", f"{cfg.n_kv_heads} does not divide heads ({cfg.heads}); use {_divisors(cfg.heads)}")
+        )
+    return issues
+
+
+def head_dim(cfg: ModelSection) -> int:
+    return cfg.dim // cfg.heads
+
+
+def num_embedding_params(cfg: ModelSection) -> int:
+    """The input embedding table."""
+    return cfg.vocab * cfg.dim
+
+
+def num_block_params(cfg: ModelSection) -> int:
+    """One transformer block: attention, SwiGLU and two RMSNorm weights (no biases)."""
+    kv_dim = cfg.n_kv_heads * head_dim(cfg)
+    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim  # wq, wo, wk, wv
+    feed_forward = 3 * cfg.dim * cfg.ffn_dim  # w1, w2, w3
+    return attention + feed_forward + 2 * cfg.dim
+
+
+def num_params(cfg: ModelSection) -> int:
+    """All parameters; a tied output head shares the embedding and is counted once."""
+    head = 0 if cfg.tie_embeddings else cfg.vocab * cfg.dim
+    return num_embedding_params(cfg) + cfg.layers * num_block_params(cfg) + cfg.dim + head
+
+
+def flops_per_token(cfg: ModelSection) -> float:
+    """Training FLOPs per token: 6 * (N - input embedding) + 12 * layers * dim * seq_len.
+
+    PaLM / torchtitan convention: 6 FLOPs per parameter per token for the
+    matmuls (forward 2, backward 4), the embedding lookup excluded, plus the
+    attention scores and values, 12 * layers * dim * seq_len, *not* halved for
+    the causal mask. The output head's matmul counts even when its weight is
+    tied to the embedding (the compute is the same), so tied and untied models
+    of one shape report the same FLOPs.
+    """
+    head = cfg.vocab * cfg.dim if cfg.tie_embeddings else 0
+    dense = num_params(cfg) - num_embedding_params(cfg) + head
+    return float(6 * dense + 12 * cfg.layers * cfg.dim * cfg.seq_len)

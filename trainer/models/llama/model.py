@@ -1,0 +1,204 @@
+"""The Llama decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+    tokens -> tok_embeddings -> layers["0".."N-1"] -> norm -> output -> logits
+
+Each block is  h = x + attention(attention_norm(x));  out = h + feed_forward(ffn_norm(h)).
+Parameter names follow torchtitan (attention.wq/wk/wv/wo, feed_forward.w1/w2/w3);
+RoPE uses the rotate-half convention of Hugging Face's Llama, so weights map
+one-to-one onto LlamaForCausalLM (see hf.py) with no q/k permutation.
+
+Built on the meta device, materialized with `to_empty`, then `init_weights`
+fills every parameter and buffer. Blocks live in a ModuleDict keyed by layer
+index so a pipeline split that deletes blocks keeps every FQN, and with it
+the seeded init of what remains.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.manifest.schema import ModelSection
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cache(head_dim: int, seq_len: int, theta: float, device: torch.device | str | None = None):
+    """cos and sin tables [seq_len, head_dim] for rotate-half RoPE, in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.int64, device=device).float(), inv_freq)
+    angles = torch.cat((freqs, freqs), dim=-1)  # first half and second half share a frequency
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, S, head_dim]; cos, sin: [S, head_dim]."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (kv_heads divides heads)."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = cfg.heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.heads
+        self.wq = nn.Linear(cfg.dim, self.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of the head counts: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:  # query heads [g*r .. g*r+r) share kv head g, as in Hugging Face's repeat_kv
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. With tie_embeddings there is no `output` module: the head reuses
+    tok_embeddings.weight, so the tie survives to_empty, sharding and checkpoints."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        cos, sin = rope_cache(cfg.dim // cfg.heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # refilled by init_buffers
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after to_empty they hold garbage)."""
+        cos, sin = rope_cache(self.cfg.dim // self.cfg.heads, self.cfg.seq_len, self.cfg.rope_theta, device="cpu")
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (S <= seq_len) -> logits [B, S, vocab] in fp32."""
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        return logits.float()
+
+
+def build(cfg: ModelSection) -> Transformer:
+    return Transformer(cfg)
+
+
+# Wrappers that insert themselves into FQNs (activation checkpointing, torch.compile, FSDP1).
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(fqn: str) -> str:
+    """The FQN without wrapper parts, so wrapped and plain models seed alike."""
+    for part in _WRAPPER_PARTS:
+        fqn = fqn.replace(part, "")
+    return fqn
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    """A stable per-parameter seed: crc32 of "seed:FQN" (never Python's salted hash()).
+
+    32 bits on purpose: the CPU generator (mt19937) ignores the high 32 bits of a seed.
+    """
+    return zlib.crc32(f"{seed}:{canonical_name(fqn)}".encode())
+
+
+@torch.no_grad()
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, taking this rank's shard when it is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Seeded init, identical on any device, rank count or sharding.
+
+    Each parameter is drawn on a full fp32 CPU tensor from its own generator,
+    seeded by (seed, FQN), then copied (or its shard copied) in: normal(0, 0.02)
+    for embeddings and linears, output projections wo and w2 scaled by
+    1/sqrt(2 * layers) (GPT-2), ones for norms. Blocks a pipeline split removed
+    are simply absent; the rest get the same values as in the whole model.
+    """
+    cfg: ModelSection = model.cfg
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            fqn = f"{module_name}.{param_name}" if module_name else param_name
+            shape = tuple(param.shape)  # a DTensor reports its global shape
+            if isinstance(module, RMSNorm):
+                full = torch.ones(shape, dtype=torch.float32, device="cpu")
+            else:
+                is_out = fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
+                full = torch.empty(shape, dtype=torch.float32, device="cpu")
+                full.normal_(0.0, out_std if is_out else std, generator=generator)
+            _copy_full(param, full)
+    model.init_buffers()

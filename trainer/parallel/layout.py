@@ -1,0 +1,60 @@
+"""Rank layout, torch-free: which (pp, dp_replicate, dp_shard, cp, tp) coordinate each rank holds.
+
+The order is torchtitan's: tp innermost (neighbouring ranks share a node's
+fast links), then cp, dp_shard, dp_replicate, and pp outermost. The device
+mesh built on the ranks (`mesh.py`) uses exactly this order, so `mantra
+dry-run` shows what the run will do.
+
+    >>> Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2).coords(5)
+    {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in DIM_NAMES)
+
+    @property
+    def world_size(self) -> int:
+        out = 1
+        for size in self.shape:
+            out *= size
+        return out
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        out: dict[str, int] = {}
+        for name, size in reversed(list(zip(DIM_NAMES, self.shape))):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in DIM_NAMES}
+
+    def dp_rank(self, rank: int) -> int:
+        """Position in the flattened data-parallel group (replicate-major)."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def label(self, rank: int) -> str:
+        """A readable name such as `PP2-DP2-TP2-rank3` (degrees of 1 left out)."""
+        parts = [f"PP{self.pp}" if self.pp > 1 else "", f"DP{self.dp}" if self.dp > 1 else "",
+                 f"CP{self.cp}" if self.cp > 1 else "", f"TP{self.tp}" if self.tp > 1 else ""]
+        return "-".join([p for p in parts if p] + [f"rank{rank}"])
