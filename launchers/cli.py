@@ -58,8 +58,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from launchers.local import run_local
+    from trainer.data import DataError
 
-    return run_local(_load(args))
+    run = _load(args)
+    try:
+        return run_local(run)
+    except DataError as exc:  # found only when the data is read (e.g. a token id beyond the vocab)
+        raise BadInput(f"{run.source}: {exc}") from None
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ def test_mfu_arithmetic() -> None:
     assert M.flops_per_token(n_params=1000, layers=2, dim=8, seq_len=16) == 6 * 1000 + 12 * 2 * 8 * 16
 
 
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the current RSS from /proc")
 def test_peak_memory_grows_after_a_big_allocation() -> None:
     import torch
 
@@ -94,19 +95,23 @@ def wandb_records(path: Path) -> Iterator[bytes]:
             yield pending
 
 
-def wandb_history(tmp_path: Path) -> dict[int, dict[str, Any]]:
+def read_wandb_run(tmp_path: Path) -> tuple[Any, dict[int, dict[str, Any]]]:
+    """The run record and the history rows (by step) of the one offline run under tmp_path."""
     from wandb.proto import wandb_internal_pb2
 
-    files = {p.resolve() for p in tmp_path.rglob("*.wandb")}
+    files = {p.resolve() for p in tmp_path.rglob("*.wandb")}  # latest-run is a symlink
     assert len(files) == 1, files
-    history: dict[int, dict[str, Any]] = {}
+    run, history = None, {}
     for raw in wandb_records(files.pop()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+        elif kind == "history":
             row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
             history[row["_step"]] = row
-    return history
+    return run, history
 
 
 def user_wandb_files() -> set[Path]:
@@ -137,7 +142,10 @@ def test_every_sink_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert set(acc.Tags()["scalars"]) == {f"train/{k}" for k in M.METRIC_KEYS}
     tb = {k: {e.step: e.value for e in acc.Scalars(f"train/{k}")} for k in M.METRIC_KEYS}
 
-    wb = wandb_history(tmp_path)
+    wb_run, wb = read_wandb_run(tmp_path)
+    assert (wb_run.display_name, wb_run.project, tuple(wb_run.tags)) == ("unit", "mantra", ("test",))
+    config = {item.key: json.loads(item.value_json) for item in wb_run.config.update}
+    assert config["name"] == "unit" and config["train"] == {"steps": 30}
     assert sorted(wb) == [m["step"] for m in steps]
     for m in steps:
         for key in M.METRIC_KEYS:

@@ -1,9 +1,7 @@
 """Throughput, MFU, memory and the sinks that report them (console, JSONL, TensorBoard, W&B).
-
 The peak table and FLOPs helpers are torch-free; torch, rich, tensorboard and wandb are imported
 where needed. Every sink writes exactly `METRIC_KEYS` per logged step; a None value (mfu on a
-CPU) is null in JSONL, "n/a" on the console, and skipped by TensorBoard and W&B.
-"""
+CPU) is null in JSONL, "n/a" on the console, and skipped by TensorBoard and W&B."""
 
 from __future__ import annotations
 
@@ -17,10 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
-
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
-_INTS = ("step", "peak_mem_bytes")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -38,9 +33,8 @@ def peak_flops(device_type: str, device_name: str | None, override_tflops: float
     for a CPU or an unknown accelerator (MFU is then unknown rather than computed from a guess)."""
     if override_tflops is not None:
         return float(override_tflops) * 1e12
-    if device_type != "cuda" or not device_name:
-        return None
-    matches = [key for key in DEVICE_PEAK_TFLOPS if key.lower() in device_name.lower()]
+    name = (device_name or "").lower() if device_type == "cuda" else ""
+    matches = [key for key in DEVICE_PEAK_TFLOPS if name and key.lower() in name]
     return DEVICE_PEAK_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
 
 
@@ -52,9 +46,7 @@ def flops_per_token(n_params: int, layers: int, dim: int, seq_len: int) -> float
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None, n_devices: int) -> float | None:
     """Model FLOPs utilisation over all devices (tokens_per_s is the global rate); None without a peak."""
-    if peak_flops is None:
-        return None
-    return tokens_per_s * flops_per_token / (peak_flops * n_devices)
+    return None if peak_flops is None else tokens_per_s * flops_per_token / (peak_flops * n_devices)
 
 
 def peak_memory_bytes(device: Any) -> int:
@@ -89,7 +81,6 @@ class StepTimer:
         return self.elapsed
 
 
-
 def _missing(package: str) -> RuntimeError:
     return RuntimeError(f"logging.sinks: {package} is listed but the {package} package is not installed; "
                         f"pip install 'mantra[{package}]' or remove it from logging.sinks")
@@ -108,12 +99,9 @@ class ConsoleSink:
         if sys.stdout.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            console = Console(stderr=True)
-            if console.is_terminal:
-                columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
-                self._progress = Progress(*columns, console=console, transient=True)
+            if (console := Console(stderr=True)).is_terminal:
+                self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                          TextColumn("loss {task.fields[loss]}"), console=console, transient=True)
 
     def advance(self, step: int, loss: float | None = None) -> None:
         """Move the bar to `step`; cheap enough for every step, a no-op without a terminal."""
@@ -156,8 +144,7 @@ class JsonlSink:
     name = "jsonl"
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
         self._file.write(json.dumps(metrics) + "\n")
@@ -184,8 +171,7 @@ class TensorBoardSink:
                 self._writer.add_scalar(f"train/{key}", value, global_step=metrics["step"])
 
     def close(self) -> None:
-        self._writer.flush()
-        self._writer.close()
+        self._writer.close()  # flushes first
 
 
 class WandbSink:
@@ -198,27 +184,22 @@ class WandbSink:
         except ImportError as err:
             raise _missing("wandb") from err
         mode, root = getattr(section.mode, "value", section.mode), run_dir / "wandb"
-        # The wandb-core service reads these when the process's first wandb.init starts it: keep
-        # its logs, cache and config inside the run dir; variables the user set are left alone.
+        # read by the wandb-core service when init starts it: its logs, cache, config stay in the run dir
         env = {"WANDB_SILENT": "true", "WANDB_CACHE_DIR": str(root / "cache"), "WANDB_CONFIG_DIR": str(root / "config"),
                "WANDB_DATA_DIR": str(root / "data"), "WANDB_ARTIFACT_DIR": str(root / "artifacts")}
         unset = [key for key in env if key not in os.environ]
         os.environ.update({key: env[key] for key in unset})
         settings = wandb.Settings(  # only our metrics: no git, code, system stats or requirements
-            silent=True, console="off", disable_git=True, save_code=False, disable_code=True,
-            disable_job_creation=True, x_save_requirements=False, x_disable_stats=True,
-            x_disable_meta=True, x_disable_machine_info=True,
-        )
+            silent=True, console="off", disable_git=True, save_code=False, disable_code=True, disable_job_creation=True,
+            x_save_requirements=False, x_disable_stats=True, x_disable_meta=True, x_disable_machine_info=True)
         try:
             self._run = wandb.init(
                 project=section.project, entity=section.entity, name=run_name, mode=mode, dir=str(run_dir),
                 tags=list(section.tags) or None, config=json.loads(json.dumps(config, default=str)), settings=settings,
             )
         except Exception as err:
-            raise RuntimeError(
-                f"logging.wandb: wandb.init failed (mode={mode}): {err}; for online mode run "
-                "`wandb login` or set WANDB_API_KEY, or set logging.wandb.mode: offline"
-            ) from err
+            raise RuntimeError(f"logging.wandb: wandb.init failed (mode={mode}): {err}; for online mode run "
+                               "`wandb login` or set WANDB_API_KEY, or set logging.wandb.mode: offline") from err
         finally:
             for key in unset:
                 os.environ.pop(key, None)
@@ -254,7 +235,8 @@ class Sinks:
         if set(metrics) != set(METRIC_KEYS):
             missing, unknown = sorted(set(METRIC_KEYS) - set(metrics)), sorted(set(metrics) - set(METRIC_KEYS))
             raise ValueError(f"metrics must have exactly {METRIC_KEYS}; missing {missing}, unknown {unknown}")
-        clean = {k: None if metrics[k] is None else (int if k in _INTS else float)(metrics[k]) for k in METRIC_KEYS}
+        cast = {k: int if k in ("step", "peak_mem_bytes") else float for k in METRIC_KEYS}  # no tensors in sinks
+        clean = {k: None if metrics[k] is None else cast[k](metrics[k]) for k in METRIC_KEYS}
         for sink in self.sinks:
             try:
                 sink.log(clean)
@@ -285,7 +267,7 @@ class Sinks:
         except Exception:
             if exc_type is None:
                 raise
-            log.warning("closing the logging sinks failed during another error", exc_info=True)
+            logging.getLogger(__name__).warning("closing the logging sinks failed during another error", exc_info=True)
 
 
 def build_sinks(

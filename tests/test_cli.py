@@ -1,0 +1,101 @@
+"""The `mantra` command: help, exit codes (0 ok, 2 bad input, 1 anything else), dry-run's table."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT, mantra, read_jsonl
+
+SUBCOMMANDS = ["validate", "run", "dry-run", "schema", "models", "tokenize"]
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_help(sub):
+    proc = mantra(sub, "--help")
+    assert proc.returncode == 0 and "usage: mantra" in proc.stdout
+
+
+def test_bad_arguments_exit_2():
+    assert mantra("frobnicate").returncode == 2
+    assert mantra("run").returncode == 2  # no manifest
+    assert mantra("run", "manifests/tiny-cpu.yaml", "--nproc", "two").returncode == 2
+
+
+def test_bad_override_exit_2_names_the_override():
+    proc = mantra("run", "manifests/tiny-cpu.yaml", "--set", "train.steps")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "--set train.steps: error: overrides look like section.key=value, e.g. parallel.tp=2"
+
+
+def test_run_refuses_a_bad_manifest_before_starting(tmp_path):
+    proc = mantra("run", "manifests/tiny-cpu.yaml", "--set", "model.heads=7", "--set", f"logging.dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    assert "error: model.kv_heads: 4 does not divide heads (7)" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_models_lists_llama():
+    proc = mantra("models")
+    assert proc.returncode == 0 and proc.stdout.startswith("llama")
+
+
+def test_tokenize(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello mantra\n")
+    proc = mantra("tokenize", str(text), "--out", str(tmp_path / "t.bin"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "t.bin").stat().st_size == 2 * len("hello mantra\n")  # uint16 per byte
+    missing = mantra("tokenize", str(tmp_path / "none.txt"), "--out", str(tmp_path / "x.bin"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_data_error_found_at_run_time_exits_2(tiny_manifest, tmp_path):
+    """A token id beyond the vocab is found only when the data is read: still one line, exit 2."""
+    import numpy as np
+
+    bin_path = tmp_path / "big-ids.bin"
+    np.full(4096, 300, dtype=np.uint16).tofile(bin_path)
+    path = tiny_manifest("bad-ids")
+    proc = mantra("run", str(path), "--set", "data.source=tokens", "--set", f"data.path={bin_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {path}: data.path: ") and "300" in proc.stderr and "vocab" in proc.stderr
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_internal_error_exits_1_with_traceback(tiny_manifest, tmp_path, nproc):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the run directory should go")
+    proc = mantra("run", str(tiny_manifest("crash")), "--nproc", str(nproc), "--set", f"logging.dir={blocker}")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" in proc.stderr or "traceback" in proc.stderr
+    assert "not-a-dir" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compile_and_full_recompute_train(tiny_manifest):
+    path = tiny_manifest("compiled", steps=2)
+    proc = mantra("run", str(path), "--set", "train.compile=true", "--set", "train.activation_checkpointing=full")
+    assert proc.returncode == 0, proc.stderr
+    losses = [r["loss"] for r in read_jsonl(path.parent / "compiled" / "metrics.jsonl")]
+    eager = tiny_manifest("eager", steps=2)
+    assert mantra("run", str(eager)).returncode == 0
+    reference = [r["loss"] for r in read_jsonl(path.parent / "eager" / "metrics.jsonl")]
+    assert losses == pytest.approx(reference, rel=1e-4)
+
+
+def test_dry_run_table(tmp_path):
+    proc = mantra("dry-run", "manifests/tiny-cpu.yaml", "--nproc", "4", "--set", "train.micro_batch=4", "--set", f"logging.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "world 4 = pp 1 x dp_replicate 4 x dp_shard 1 x cp 1 x tp 1" in out
+    assert "global 16 = micro 4 x microbatches 1 x dp 4" in out
+    rows = [line for line in out.splitlines() if "DP4-rank" in line]
+    assert len(rows) == 4
+    for rank, row in enumerate(rows):
+        cells = [c.strip() for c in row.strip("│ ").split("│")]
+        assert cells[0] == str(rank) and cells[1] == f"DP4-rank{rank}"
+        assert cells[2:7] == ["0", str(rank), "0", "0", "0"]
+        assert cells[7] == "0-3" and cells[8] == "3,279,104"
+    assert "torch.distributed.run --standalone --nproc-per-node=4" in out
+    assert not (tmp_path / "metrics.jsonl").exists()  # trains nothing
