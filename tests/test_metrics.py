@@ -53,10 +53,9 @@ def test_mfu_arithmetic() -> None:
     # 2 H200s at 1e5 tok/s, 6e9 FLOPs/token (a 1B model): 6e14 / (2 * 989e12)
     assert M.mfu(1e5, 6e9, M.peak_flops("cuda", "NVIDIA H200", None), 2) == pytest.approx(6e14 / 1.978e15)
     assert M.mfu(1e5, 6e9, M.peak_flops("cpu", None, None), 1) is None
-    assert M.flops_per_token(n_params=1000, layers=2, dim=8, seq_len=16) == 6 * 1000 + 12 * 2 * 8 * 16
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the current RSS from /proc")
+
 def test_peak_memory_grows_after_a_big_allocation() -> None:
     import torch
 

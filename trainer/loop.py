@@ -116,7 +116,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device) -> TrainResult:
     window_time, window_steps, loss = 0.0, 0, torch.zeros(())
 
     with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
-                     config=m.model_dump(mode="json"), is_rank0=info.is_rank0) as sinks:
+                     config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type) as sinks:
         for step in range(1, m.train.steps + 1):
             timer.start()
             loss = train_step(model, loader.microbatches(step - 1), autocast, run.grad_accum)

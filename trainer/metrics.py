@@ -38,12 +38,6 @@ def peak_flops(device_type: str, device_name: str | None, override_tflops: float
     return DEVICE_PEAK_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
 
 
-def flops_per_token(n_params: int, layers: int, dim: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward, no recompute): 6N + 12·L·d·s, PaLM's estimate
-    (Chowdhery et al. 2022, app. B); N counts matmul parameters (head yes, embedding lookup no)."""
-    return 6.0 * n_params + 12.0 * layers * dim * seq_len
-
-
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None, n_devices: int) -> float | None:
     """Model FLOPs utilisation over all devices (tokens_per_s is the global rate); None without a peak."""
     return None if peak_flops is None else tokens_per_s * flops_per_token / (peak_flops * n_devices)
@@ -140,11 +134,12 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """<run_dir>/metrics.jsonl: one object per logged step, flushed at once; appends on resume."""
+    """<run_dir>/metrics.jsonl: one object per logged step, flushed at once; a fresh run starts
+    the file anew, a resumed one appends."""
     name = "jsonl"
 
-    def __init__(self, run_dir: Path) -> None:
-        self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    def __init__(self, run_dir: Path, append: bool = False) -> None:
+        self._file = (run_dir / "metrics.jsonl").open("a" if append else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
         self._file.write(json.dumps(metrics) + "\n")
@@ -272,7 +267,7 @@ class Sinks:
 
 def build_sinks(
     logging_cfg: Any, *, run_dir: Path, run_name: str, total_steps: int, config: dict[str, Any],
-    is_rank0: bool, device_type: str | None = None,
+    is_rank0: bool, device_type: str | None = None, resume: bool = False,
 ) -> Sinks:
     """The sinks named in logging.sinks, on rank 0 only (other ranks get an empty, silent Sinks).
     wandb with mode disabled is not built (the package need not be installed). `device_type`
@@ -280,7 +275,7 @@ def build_sinks(
     if not is_rank0:
         return Sinks([], every=logging_cfg.every, total_steps=total_steps)
     run_dir, built = Path(run_dir), []
-    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir),
+    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir, append=resume),
               "tensorboard": lambda: TensorBoardSink(run_dir),
               "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config)}
     wandb_off = getattr(logging_cfg.wandb.mode, "value", logging_cfg.wandb.mode) == "disabled"
