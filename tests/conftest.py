@@ -46,3 +46,54 @@ def mantra(*args: str, cwd: Path | None = None, timeout: int = 300) -> subproces
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tiny_config(name: str, run_dir: Path, steps: int = 6) -> dict:
+    """The tiny manifest as a dict, for tests that merge their own settings into it."""
+    import yaml
+
+    text = TINY.format(name=name, steps=steps, corpus=ROOT / "manifests/data/python-docs.txt", run_dir=run_dir)
+    return yaml.safe_load(text)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def train_on_ranks(tmp_path: Path, name: str, nproc: int, settings: dict | None = None, steps: int = 6):
+    """Train the tiny manifest, with `settings` merged in, on `nproc` real ranks.
+
+    Returns (metrics rows, {fqn: full fp32 tensor}) for comparison with a single process.
+    """
+    import torch
+    import yaml
+
+    from harness import run_ranks
+
+    config = merge(tiny_config(name, tmp_path / name, steps), {"launcher": {"nproc": nproc}, **(settings or {})})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = tmp_path / f"{name}.pt"
+    proc = run_ranks(path, nproc, out)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return read_jsonl(tmp_path / name / "metrics.jsonl"), torch.load(out, weights_only=True)
+
+
+def assert_same_training(reference, candidate, rel: float = 1e-5) -> None:
+    """Loss and grad_norm per step, and every final parameter, within `rel` of the reference."""
+    import torch
+
+    ref_rows, ref_params = reference
+    rows, params = candidate
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]
+    for a, b in zip(ref_rows, rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), (a, b)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        err = (params[name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
+        assert err <= rel, f"{name}: max relative difference {err:.2e} > {rel}"
+    assert torch.isfinite(torch.stack([p.abs().max() for p in params.values()])).all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp_replicate
+from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
 from trainer.manifest.schema import Manifest, OptimizerSection
 from trainer.optim import lr_at
 from trainer.parallel.layout import Layout
@@ -32,14 +32,24 @@ def manifest(train: dict, parallel: dict | None = None, nproc: int = 1) -> Manif
 )
 def test_batch_derivation(train, parallel, nproc, expected):
     m = manifest(train, parallel, nproc)
-    b = derive_batch(m, derive_dp_replicate(m) * m.parallel.dp_shard)
+    replicate, shard = derive_dp(m)
+    b = derive_batch(m, replicate * shard)
     assert (b.global_batch, b.micro_batch, b.microbatches) == expected
 
 
 def test_inferred_dp_and_mismatch():
-    assert derive_dp_replicate(manifest({"micro_batch": 1}, {"dp_shard": 2, "optimizer_sharding": "zero2"}, 8)) == 4
+    def dp(parallel: dict, nproc: int) -> tuple[int, int]:
+        return derive_dp(manifest({"micro_batch": 1}, parallel, nproc))
+
+    assert dp({}, 4) == (4, 1)  # no sharding: the rest is replicated
+    assert dp({"optimizer_sharding": "zero2"}, 4) == (1, 4)  # sharding: the rest is sharded
+    assert dp({"optimizer_sharding": "zero3", "dp_replicate": 2}, 8) == (2, 4)  # HSDP
+    assert dp({"dp_shard": 2, "optimizer_sharding": "zero2"}, 8) == (4, 2)
+    assert dp({"optimizer_sharding": "zero1", "tp": 2}, 8) == (1, 4)
     with pytest.raises(Unresolvable, match="= 4 but the world size is 8"):
-        derive_dp_replicate(manifest({"micro_batch": 1}, {"dp_replicate": 4}, 8))
+        dp({"dp_replicate": 4, "dp_shard": 1}, 8)
+    with pytest.raises(Unresolvable, match="tp·pp = 3 does not divide the world size"):
+        dp({"tp": 3}, 8)
 
 
 def test_layout_order_is_tp_innermost():

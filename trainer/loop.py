@@ -24,7 +24,8 @@ from trainer.manifest import Resolved
 from trainer.manifest.schema import Precision
 from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
 from trainer.models import get_model_spec
-from trainer.optim import build_lr_schedule, build_optimizer
+from trainer.optim import build_lr_schedule
+from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.layout import Layout
 from trainer.parallel.mesh import build_mesh
 
@@ -62,23 +63,23 @@ def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_step(model, microbatches, autocast, grad_accum: int) -> torch.Tensor:
+def train_step(model, sync: GradSync, microbatches, autocast, grad_accum: int) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced)."""
-    total = torch.zeros((), device=next(model.parameters()).device)
+    total = None
     for i, (inputs, targets) in enumerate(microbatches):
-        last = i == len(microbatches) - 1
-        # DDP reduces gradients only on the last microbatch's backward
-        sync = model.no_sync() if (hasattr(model, "no_sync") and not last) else contextlib.nullcontext()
-        with sync:
+        with sync.backward_context(last=i == len(microbatches) - 1):
             with autocast:
                 logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             (loss / grad_accum).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
+    sync.finish_backward()
     return total / len(microbatches)
 
 
-def train(run: Resolved, info: RankInfo | None = None) -> TrainResult:
+def train(run: Resolved, info: RankInfo | None = None, on_finish=None) -> TrainResult:
+    """Train on this rank. `on_finish(model, sync)`, if given, runs on every rank after the last step
+    (tests use it to gather the final parameters) before the process group closes."""
     info = info or RankInfo.from_env()
     if info.world_size != run.world_size:
         raise RuntimeError(
@@ -88,18 +89,19 @@ def train(run: Resolved, info: RankInfo | None = None) -> TrainResult:
     device = pick_device(info)
     init_distributed(info, device)
     try:
-        return _train(run, info, device)
+        return _train(run, info, device, on_finish)
     finally:
         shutdown_distributed()
 
 
-def _train(run: Resolved, info: RankInfo, device: torch.device) -> TrainResult:
+def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> TrainResult:
     m = run.manifest
     layout = layout_of(run)
     mesh = build_mesh(layout, device)
     torch.manual_seed(m.train.seed)
     model = build_model(run, mesh, device)
-    optimizer = build_optimizer(list(model.named_parameters()), m.optimizer, device)
+    sync = build_grad_sync(model, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
+    optimizer = sync.optimizer
     lr_schedule = build_lr_schedule(optimizer, m.optimizer, m.train.steps)
     loader = build_loader(
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,
@@ -112,20 +114,17 @@ def _train(run: Resolved, info: RankInfo, device: torch.device) -> TrainResult:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = peak_flops(device.type, device_name, m.logging.peak_tflops)
     timer = StepTimer(device)
-    params = [p for p in model.parameters() if p.requires_grad]
     window_time, window_steps, loss = 0.0, 0, torch.zeros(())
 
     with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                      config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type) as sinks:
         for step in range(1, m.train.steps + 1):
             timer.start()
-            loss = train_step(model, loader.microbatches(step - 1), autocast, run.grad_accum)
-            max_norm = m.optimizer.grad_clip or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            loss = train_step(model, sync, loader.microbatches(step - 1), autocast, run.grad_accum)
+            grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
             lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
+            sync.step()
             lr_schedule.step()
-            optimizer.zero_grad(set_to_none=True)
             window_time += timer.stop()
             window_steps += 1
             sinks.advance(step, None)
@@ -145,4 +144,6 @@ def _train(run: Resolved, info: RankInfo, device: torch.device) -> TrainResult:
                     "peak_mem_bytes": peak_memory_bytes(device),
                 })
                 window_time, window_steps = 0.0, 0
+    if on_finish is not None:
+        on_finish(model, sync)
     return TrainResult(steps=m.train.steps, final_loss=loss.item(), run_dir=run.run_dir)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.manifest.schema import LauncherKind, Manifest
+from trainer.manifest.schema import LauncherKind, Manifest, Sharding
 
 
 class Unresolvable(ValueError):
@@ -73,29 +73,37 @@ def world_field(m: Manifest) -> str:
     return "launcher.slurm.nodes" if m.launcher.kind == LauncherKind.slurm else "launcher.nproc"
 
 
-def derive_dp_replicate(m: Manifest) -> int:
+def derive_dp(m: Manifest) -> tuple[int, int]:
+    """(dp_replicate, dp_shard): an inferred (-1) degree takes what the world size leaves."""
     p = m.parallel
     world = world_size(m)
-    others = p.dp_shard * p.cp * p.tp * p.pp
     how = f"{world_field(m)} = {world}" if m.launcher.kind == LauncherKind.local else (
         f"launcher.slurm.nodes · gpus_per_node = {world}"
     )
-    if p.dp_replicate == -1:
-        if world % others:
+    replicate, shard = p.dp_replicate, p.dp_shard
+    if replicate == -1 and shard == -1:  # the rest goes where the sharding says
+        if p.optimizer_sharding == Sharding.none:
+            shard = 1
+        else:
+            replicate = 1
+    fixed = p.cp * p.tp * p.pp * max(replicate, 1) * max(shard, 1)
+    if replicate == -1 or shard == -1:
+        if world % fixed:
+            known = "dp_replicate·" if replicate != -1 else ("dp_shard·" if shard != -1 else "")
             raise Unresolvable(
                 ("parallel",),
-                f"dp_shard·cp·tp·pp = {others} does not divide the world size ({how}); "
-                f"use a world size that is a multiple of {others}",
+                f"{known}cp·tp·pp = {fixed} does not divide the world size ({how}); "
+                f"use a world size that is a multiple of {fixed}",
             )
-        return world // others
-    total = p.dp_replicate * others
-    if total != world:
+        rest = world // fixed
+        return (rest, shard) if replicate == -1 else (replicate, rest)
+    if fixed != world:
         raise Unresolvable(
             ("parallel",),
-            f"dp_replicate·dp_shard·cp·tp·pp = {total} but the world size is {world} ({how}); "
-            "make them equal, or set dp_replicate: -1 to infer it",
+            f"dp_replicate·dp_shard·cp·tp·pp = {fixed} but the world size is {world} ({how}); "
+            "make them equal, or set a dp degree to -1 to infer it",
         )
-    return p.dp_replicate
+    return replicate, shard
 
 
 def derive_batch(m: Manifest, dp: int) -> Batch:
@@ -137,14 +145,14 @@ def run_dir(m: Manifest) -> Path:
 
 def resolve(m: Manifest, source: str) -> Resolved:
     """Derive everything; raises Unresolvable on arithmetic that does not add up."""
-    dp_replicate = derive_dp_replicate(m)
-    batch = derive_batch(m, dp_replicate * m.parallel.dp_shard)
+    dp_replicate, dp_shard = derive_dp(m)
+    batch = derive_batch(m, dp_replicate * dp_shard)
     return Resolved(
         manifest=m,
         source=source,
         world_size=world_size(m),
         dp_replicate=dp_replicate,
-        dp_shard=m.parallel.dp_shard,
+        dp_shard=dp_shard,
         batch=batch,
         run_dir=run_dir(m),
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
-from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp_replicate
+from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
 from trainer.manifest.schema import LauncherKind, Manifest, Recompute, Schedule, Sharding
 from trainer.manifest.source import SourceTree
 
@@ -42,7 +42,7 @@ def _divisors(n: int) -> str:
 @rule
 def degrees_match_world(m: Manifest) -> Iterator[Finding]:
     try:
-        derive_dp_replicate(m)
+        derive_dp(m)
     except Unresolvable as exc:
         yield Finding(exc.fields[0], exc.message)
 
@@ -50,7 +50,8 @@ def degrees_match_world(m: Manifest) -> Iterator[Finding]:
 @rule
 def batch_arithmetic(m: Manifest) -> Iterator[Finding]:
     try:
-        dp = derive_dp_replicate(m) * m.parallel.dp_shard
+        replicate, shard = derive_dp(m)
+        dp = replicate * shard
     except Unresolvable:
         return  # reported by degrees_match_world
     try:
@@ -117,7 +118,8 @@ def schedule_microbatches(m: Manifest) -> Iterator[Finding]:
     if p.pp == 1:
         return
     try:
-        n = derive_batch(m, derive_dp_replicate(m) * p.dp_shard).microbatches
+        replicate, shard = derive_dp(m)
+        n = derive_batch(m, replicate * shard).microbatches
     except Unresolvable:
         return
     if p.schedule == Schedule.interleaved_1f1b and n % p.pp:

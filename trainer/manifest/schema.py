@@ -116,12 +116,19 @@ class ModelSection(Section):
 
 
 class ParallelSection(Section):
-    """Parallel degrees. Their product is the world size; dp_replicate -1 takes what is left."""
+    """Parallel degrees. Their product is the world size.
+
+    A degree of -1 takes what the others leave: with optimizer_sharding none the
+    rest goes to dp_replicate, with zero1/2/3 to dp_shard (dp_shard alone -1 with
+    an explicit dp_replicate gives HSDP).
+    """
 
     dp_replicate: Annotated[int, Field(ge=-1)] = Field(
         -1, description="replicated data-parallel degree; -1 infers it from the world size"
     )
-    dp_shard: PositiveInt = Field(1, description="sharded data-parallel (ZeRO/FSDP) degree")
+    dp_shard: Annotated[int, Field(ge=-1)] = Field(
+        -1, description="sharded data-parallel (ZeRO/FSDP) degree; -1 infers it from the world size"
+    )
     cp: PositiveInt = Field(1, description="context-parallel degree")
     tp: PositiveInt = Field(1, description="tensor-parallel degree")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallel inside the tp group")
@@ -135,7 +142,7 @@ class ParallelSection(Section):
     )
     optimizer_sharding: Sharding = Field(Sharding.none, description="none | zero1 | zero2 | zero3")
 
-    @field_validator("dp_replicate")
+    @field_validator("dp_replicate", "dp_shard")
     @classmethod
     def _not_zero(cls, value: int) -> int:
         if value == 0:

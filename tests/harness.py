@@ -1,0 +1,63 @@
+"""Run a manifest on N real ranks (torchrun, gloo) and bring back its metrics and final parameters.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N tests/harness.py MANIFEST OUT.pt
+
+Every rank trains through `trainer.loop.train`; at the end each parameter is
+gathered whole (DTensor shards, ZeRO shards and pipeline stages alike, on all
+ranks, since a collective on rank 0 alone hangs) and rank 0 saves
+{fqn: tensor} to OUT.pt. Parity tests compare that against one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def full_parameters(model) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
+            name = name.replace(wrapper, "")
+        out[name] = tensor.detach().to("cpu", torch.float32).clone()
+    return out
+
+
+def main() -> None:
+    import torch
+
+    from trainer.loop import train
+    from trainer.manifest import load_manifest
+
+    manifest, out = Path(sys.argv[1]), Path(sys.argv[2])
+    run, _ = load_manifest(manifest)
+
+    def save(model, sync) -> None:
+        gather = getattr(sync, "full_parameters", None)  # pipeline stages gather across ranks themselves
+        params = gather(model) if gather is not None else full_parameters(model)
+        if int(os.environ.get("RANK", 0)) == 0:
+            torch.save(params, out)
+
+    train(run, on_finish=save)
+
+
+def run_ranks(manifest: Path, nproc: int, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Start `nproc` ranks on `manifest` (its launcher.nproc must say the same) and wait."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).resolve()), str(manifest), str(out)]
+    if nproc == 1:
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(manifest), str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Data parallelism as the loop sees it: one `GradSync` whatever the sharding.
+
+The loop drives every optimizer step the same way:
+
+    for i, microbatch in enumerate(microbatches):
+        with sync.backward_context(last=i == n - 1):
+            loss.backward()
+    sync.finish_backward()                 # wait for the last reductions
+    norm = sync.clip_grad_norm_(max_norm)  # the global norm, before clipping
+    sync.step()                            # (sharded) optimizer step, params whole again, grads zeroed
+
+Implementations: `LocalSync` (one rank, or gradients already reduced by the
+model's own wrapper), `BucketSync` in zero.py (none / zero1 / zero2: our own
+bucketed reducer), `FSDPSync` in fsdp.py (zero3 through FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+
+class GradSync(Protocol):
+    optimizer: torch.optim.Optimizer
+
+    def backward_context(self, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def finish_backward(self) -> None: ...
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
+
+    def step(self) -> None: ...
+
+
+class LocalSync:
+    """No gradient communication of its own: one rank, or a model that reduces its own gradients."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def backward_context(self, last: bool) -> Iterator[None]:
+        no_sync = getattr(self.model, "no_sync", None)  # torch DDP: reduce only on the last microbatch
+        with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
+            yield
+
+    def finish_backward(self) -> None:
+        pass
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> GradSync:
+    """Pick the gradient synchronisation (and with it the optimizer) the manifest asks for."""
+    from trainer.manifest.schema import Sharding
+    from trainer.optim import build_optimizer
+
+    sharding = run.manifest.parallel.optimizer_sharding
+    if mesh is None or run.dp == 1 and run.manifest.parallel.tp == 1 or hasattr(model, "no_sync"):
+        return LocalSync(model, build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device))
+    if sharding == Sharding.zero3:
+        from trainer.parallel.fsdp import FSDPSync
+
+        return FSDPSync(model, build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device))
+    from trainer.parallel.zero import BucketSync
+
+    return BucketSync(model, run, mesh, device)
