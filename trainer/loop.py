@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from trainer.data import build_loader
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
@@ -28,6 +29,7 @@ from trainer.optim import build_lr_schedule
 from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.layout import Layout
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.tensor import loss_context
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +54,32 @@ def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractCont
 
 
 def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
-    """Build on the meta device, materialize, init from the seed (the same on any number of ranks), parallelize."""
+    """Build and parallelize on the meta device, then materialize this rank's shards and init them
+    from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights."""
     spec = get_model_spec(run.manifest.model.kind)
     with torch.device("meta"):
         model = spec.build(run.manifest.model)
+        if spec.parallelize is not None:
+            model = spec.parallelize(model, run, mesh, device)
     model.to_empty(device=device)
     spec.init_weights(model, run.manifest.train.seed)
-    if spec.parallelize is not None:
-        model = spec.parallelize(model, run, mesh, device)
     return model
 
 
-def train_step(model, sync: GradSync, microbatches, autocast, grad_accum: int) -> torch.Tensor:
+def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced)."""
     total = None
     for i, (inputs, targets) in enumerate(microbatches):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with sync.backward_context(last=i == len(microbatches) - 1):
             with autocast:
                 logits = model(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            (loss / grad_accum).backward()
-        total = loss.detach() if total is None else total + loss.detach()
+            with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                (loss / grad_accum).backward()
+        loss = loss.detach()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp: a replicated DTensor
+        total = loss if total is None else total + loss
     sync.finish_backward()
     return total / len(microbatches)
 
@@ -120,7 +127,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                      config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type) as sinks:
         for step in range(1, m.train.steps + 1):
             timer.start()
-            loss = train_step(model, sync, loader.microbatches(step - 1), autocast, run.grad_accum)
+            loss = train_step(model, sync, loader.microbatches(step - 1), device, autocast, m.parallel.tp, run.grad_accum)
             grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
             lr = optimizer.param_groups[0]["lr"]
             sync.step()

@@ -14,7 +14,7 @@ from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
-from trainer.manifest.schema import LauncherKind, Manifest, Recompute, Schedule, Sharding
+from trainer.manifest.schema import LauncherKind, Manifest, Schedule, Sharding
 from trainer.manifest.source import SourceTree
 
 
@@ -70,6 +70,17 @@ def heads_split_over_tp(m: Manifest) -> Iterator[Finding]:
             "parallel.tp",
             f"{tp} does not divide model.kv_heads ({m.model.n_kv_heads}); use {_divisors(m.model.n_kv_heads)}",
         )
+
+
+@rule
+def tensor_parallel_splits(m: Manifest) -> Iterator[Finding]:
+    tp = m.parallel.tp
+    if tp == 1:
+        return
+    if m.model.vocab % tp:
+        yield Finding("model.vocab", f"{m.model.vocab} does not split over tp = {tp} (vocab-parallel embedding and head); pad the vocab to a multiple of {tp}")
+    if m.model.ffn_dim % tp:
+        yield Finding("model.ffn_dim", f"{m.model.ffn_dim} does not split over tp = {tp}; use a multiple of {tp}")
 
 
 @rule
@@ -181,19 +192,12 @@ _LATER = "not supported yet"
 @rule
 def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
-    if p.tp > 1:
-        yield Finding("parallel.tp", f"{_LATER}: tensor parallel arrives with the parallel-core issue; use tp: 1")
+    if p.tp > 1 and m.model.tie_embeddings:
+        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with tensor parallel; set false or use tp: 1")
     if p.pp > 1:
         yield Finding("parallel.pp", f"{_LATER}: pipeline parallel arrives with the pipeline issue; use pp: 1")
     if p.cp > 1:
         yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
-    if p.optimizer_sharding != Sharding.none:
-        yield Finding(
-            "parallel.optimizer_sharding",
-            f"{_LATER}: {p.optimizer_sharding.value} arrives with the parallel-core issue; use none (plain data parallel)",
-        )
-    if m.train.activation_checkpointing == Recompute.selective:
-        yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute arrives with the parallel-core issue; use none or full")
     if m.checkpoint.every > 0:
         yield Finding("checkpoint.every", f"{_LATER}: checkpoints arrive with the checkpoint issue; set 0")
     if m.launcher.kind == LauncherKind.slurm:

@@ -43,6 +43,11 @@ class Sharding(str, enum.Enum):
     zero3 = "zero3"
 
 
+class ReduceDtype(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Precision(str, enum.Enum):
     auto = "auto"  # bf16 autocast over fp32 master weights on GPU, fp32 on CPU
     fp32 = "fp32"
@@ -141,6 +146,8 @@ class ParallelSection(Section):
         "derived from global_batch / (micro_batch * dp) when omitted",
     )
     optimizer_sharding: Sharding = Field(Sharding.none, description="none | zero1 | zero2 | zero3")
+    reduce_dtype: ReduceDtype = Field(ReduceDtype.fp32, description="dtype gradients are reduced in: fp32 | bf16")
+    bucket_mb: PositiveFloat = Field(25.0, description="gradient bucket size for none/zero1/zero2, MiB")
 
     @field_validator("dp_replicate", "dp_shard")
     @classmethod

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.parallel.clip import clip_grad_norm_
 
 
 class GradSync(Protocol):
@@ -50,10 +53,14 @@ class LocalSync:
             yield
 
     def finish_backward(self) -> None:
-        pass
+        from trainer.parallel.tensor import reduce_partial_grads
+
+        reduce_partial_grads(self.params)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        if not any(isinstance(p, DTensor) for p in self.params):
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        return clip_grad_norm_(self.params, max_norm)  # DTensor shards (tensor parallel, FSDP)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -66,7 +73,7 @@ def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> 
     from trainer.optim import build_optimizer
 
     sharding = run.manifest.parallel.optimizer_sharding
-    if mesh is None or run.dp == 1 and run.manifest.parallel.tp == 1 or hasattr(model, "no_sync"):
+    if mesh is None or run.dp == 1:  # one data-parallel rank: tensor parallel needs no gradient sync of ours
         return LocalSync(model, build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device))
     if sharding == Sharding.zero3:
         from trainer.parallel.fsdp import FSDPSync

@@ -1,9 +1,11 @@
 """How a Llama is parallelized: this function only decides the order, the mechanics live in trainer/parallel.
 
-    tensor + sequence parallel -> activation checkpointing -> compile -> data parallel
+    tensor + sequence parallel -> activation checkpointing -> compile -> FSDP (zero3)
 
-Tensor/sequence parallel and ZeRO/FSDP sharding arrive with the parallel-core
-issue; validation rejects the manifests that need them until then.
+Runs on the meta device, before the weights exist; the trainer materializes and
+initialises afterwards (each rank draws the full tensor and keeps its shard).
+none / zero1 / zero2 need no change to the model: their gradient hooks are
+installed by trainer.parallel.data.build_grad_sync.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+from trainer.manifest.schema import Sharding
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.ddp import apply_ddp
 from trainer.parallel.recompute import apply_activation_checkpointing
+from trainer.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -23,10 +28,46 @@ if TYPE_CHECKING:
 
 
 def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | None, device: torch.device) -> torch.nn.Module:
-    train = run.manifest.train
+    p, train = run.manifest.parallel, run.manifest.train
+    if p.tp > 1:
+        apply_llama_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value)
     if train.compile:
         apply_compile(model.layers)
-    if mesh is not None and run.dp > 1:
-        model = apply_ddp(model, mesh, device)
+    if p.optimizer_sharding == Sharding.zero3 and run.dp > 1:
+        from trainer.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(model, mesh, run, device)
     return model
+
+
+def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Megatron's split: q/k/v and gate/up column-wise, o and down row-wise, vocab-parallel embedding
+    and head. With sequence parallel the norms and residual stream stay sharded along the sequence
+    (Shard(1)) and the tp all-reduce becomes all-gather before, reduce-scatter after each block half."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+    apply_tensor_parallel(model, tp_mesh, root)
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        apply_tensor_parallel(block, tp_mesh, plan)

@@ -1,0 +1,204 @@
+"""none / zero1 / zero2 data parallel: our bucketed reducer (buckets.py) plus a sharded optimizer.
+
+All three are one design with three settings (d = dp_shard):
+
+    mode   gradient buffer per rank        collective per bucket (last microbatch unless noted)   optimizer states
+    none   full (persistent)               all-reduce over dp                                       whole model
+    zero1  full (persistent)               reduce-scatter over dp_shard (+ all-reduce over replicas) 1/d
+    zero2  1/d (persistent) + 1 bucket     reduce-scatter every microbatch, bucket freed right after 1/d
+           in flight at a time
+
+zero1 reduce-scatters rather than all-reduces: a rank only ever reads the reduced gradient of
+its own shard, and reduce-scatter + the parameter all-gather after the step move the same bytes
+as one all-reduce (DDP's cost), where all-reduce + all-gather would move 1.5x. The rest of the
+full buffer keeps the local, unreduced sums until it is zeroed: that buffer is what makes it
+zero1 and not zero2 (Megatron's DistributedOptimizer).
+
+The optimizer owns, for each parameter, the slice of its flattened local tensor that falls in
+this rank's shard: a Parameter that shares storage with the model's, whose .grad is the matching
+slice of the reduced gradient. Each rank updates its slices in place; then the shards are
+all-gathered bucket by bucket so every rank holds whole parameters again. With `none` a rank
+owns everything and nothing is gathered.
+
+Fp32 Adam, bytes per parameter at the step boundary (params + grads + states):
+none 4 + 4 + 8 = 16;  zero1 4 + 4 + 8/d;  zero2 4 + 4/d + 8/d  (zero3, FSDP2: 16/d).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from trainer.optim import build_optimizer
+from trainer.parallel.buckets import DPGroups, GradReducer
+from trainer.parallel.memory import tensor_bytes
+
+
+def dp_groups(mesh, mode: str) -> DPGroups:
+    """none: one all-reduce over the flattened dp group; zero1/2: shard over dp_shard, all-reduce over dp_replicate."""
+    if mode == "none":
+        dp = mesh["dp"]
+        return DPGroups(1, 0, None, dp.get_group() if dp.size() > 1 else None, dp.size())
+    shard, replicate = mesh["dp_shard"], mesh["dp_replicate"]
+    return DPGroups(
+        shards=shard.size(),
+        shard_rank=shard.get_local_rank(),
+        shard=shard.get_group() if shard.size() > 1 else None,
+        replicate=replicate.get_group() if replicate.size() > 1 else None,
+        dp=shard.size() * replicate.size(),
+    )
+
+
+def _group(mesh, name: str) -> dist.ProcessGroup | None:
+    """The process group of mesh dimension `name` (a layout.DIM_NAMES entry), None when alone."""
+    if mesh is None or mesh[name].size() == 1:
+        return None
+    return mesh[name].get_group()
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """One parameter's piece in this rank's shard, as the optimizer sees it."""
+
+    param: torch.nn.Parameter  # shares storage with the model parameter's local tensor
+    grad: torch.Tensor  # a view into the reduced gradient buffer
+    tp_sharded: bool  # its elements are disjoint across the tp group (summed there for the norm)
+
+
+class BucketSync:
+    """GradSync for none / zero1 / zero2 (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, run, mesh, device: torch.device, bucket_bytes: int | None = None):
+        p = run.manifest.parallel
+        self.mode = p.optimizer_sharding.value
+        self.groups = dp_groups(mesh, self.mode)
+        self.tp_group, self.pp_group = _group(mesh, "tp"), _group(mesh, "pp")
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        bucket_bytes = bucket_bytes or int(getattr(p, "bucket_mb", 25.0) * 2**20)
+        comm = torch.bfloat16 if getattr(getattr(p, "reduce_dtype", None), "value", "fp32") == "bf16" else torch.float32
+        self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm)
+        self.slices = self._owned_slices()
+        self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
+        by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
+        for group in self.optimizer.param_groups:  # same groups and settings as one process, on the owned slices
+            group["params"] = [by_param[id(q)] for q in group["params"] if id(q) in by_param]
+        self._breakdown: dict[str, int] | None = None
+
+    @property
+    def hook_calls(self) -> dict[str, int]:
+        """Times each parameter's gradient entered a bucket; exactly one per microbatch."""
+        return self.reducer.hook_calls
+
+    def _owned_slices(self) -> dict[int, OwnedSlice]:
+        r = self.reducer
+        out: dict[int, OwnedSlice] = {}
+        for b, bucket in enumerate(r.buckets):
+            reduced = r.reduced(b)
+            for piece in bucket.owned(self.groups.shard_rank):
+                flat = r.locals[piece.param].view(-1)
+                view = torch.nn.Parameter(flat[piece.start:piece.end], requires_grad=True)
+                if view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                    raise RuntimeError(f"optimizer slice of {r.names[piece.param]} does not share the parameter's storage")
+                q = r.params[piece.param]
+                sharded = isinstance(q, DTensor) and any(isinstance(pl, Shard) for pl in q.placements)
+                out[piece.param] = OwnedSlice(view, reduced[piece.at:piece.at + piece.end - piece.start], sharded)
+        return out
+
+    # -- GradSync ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def backward_context(self, last: bool) -> Iterator[None]:
+        self.reducer.begin(last)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.reducer.end(ok)
+
+    def finish_backward(self) -> None:
+        self.reducer.finish()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The exact global norm: squares over owned elements, summed over the shard group; tp-sharded
+        parameters' sums added over tp, tp-replicated ones counted once; stages added over pp."""
+        sums = []
+        for sharded in (True, False):
+            grads = [s.grad for s in self.slices.values() if s.tp_sharded == sharded]
+            norms = torch._foreach_norm(grads) if grads else []
+            sums.append(sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64)))
+        sq = torch.stack(sums).to(self.reducer.device)
+        if self.groups.shard is not None:
+            dist.all_reduce(sq, group=self.groups.shard)
+        total = sq[1]
+        if self.tp_group is not None:
+            tp_part = sq[0].clone()
+            dist.all_reduce(tp_part, group=self.tp_group)
+            total = total + tp_part
+        else:
+            total = total + sq[0]
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        norm = total.sqrt().float()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [s.grad for s in self.slices.values()]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+    def step(self) -> None:
+        for s in self.slices.values():  # rebind: someone may have zeroed .grad to None
+            s.param.grad = s.grad
+        self.optimizer.step()
+        self._breakdown = self._measure()
+        if self.groups.shard is not None:
+            self._gather_params()
+        self.reducer.zero_grads()
+
+    # -- after the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank updated its own slices in place; all-gather each bucket's shards so every rank holds
+        whole parameters (pack the owned slices, all_gather_single, unpack); two buckets in flight."""
+        r, rank, queue = self.reducer, self.groups.shard_rank, []
+        for bucket in r.buckets:
+            shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=r.device)
+            for piece in bucket.owned(rank):
+                shard[piece.at:piece.at + piece.end - piece.start].copy_(r.locals[piece.param].view(-1)[piece.start:piece.end])
+            full = torch.empty(bucket.size, dtype=torch.float32, device=r.device)
+            queue.append((dist.all_gather_single(full, shard, group=self.groups.shard, async_op=True), full, bucket))
+            if len(queue) > 2:
+                self._unpack(*queue.pop(0))
+        for entry in queue:
+            self._unpack(*entry)
+
+    def _unpack(self, work, full: torch.Tensor, bucket) -> None:
+        work.wait()
+        for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+            self.reducer.locals[i].view(-1).copy_(full[off:off + n])
+
+    def _measure(self) -> dict[str, int]:
+        r = self.reducer
+        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        stray = [q.grad for q in r.params if q.grad is not None]  # should be none: the hooks take them
+        return {
+            "params": tensor_bytes(r.locals),
+            "grads": tensor_bytes(r.grad_tensors() + stray),
+            "optimizer": tensor_bytes(states),
+            "numel": sum(t.numel() for t in r.locals),
+        }
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of this rank's live params, gradients and optimizer states at the last step boundary
+        (after the optimizer step, before the gradients are zeroed), and the peak bytes of gradient
+        storage during the last backward (buffers + buckets in flight + the gradient being added)."""
+        out = dict(self._breakdown or self._measure())
+        out["peak_grad_bytes"] = self.reducer.peak_bytes
+        return out
+
+
