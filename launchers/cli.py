@@ -35,6 +35,8 @@ def _load(args: argparse.Namespace) -> Resolved:
     overrides = list(args.set or [])
     if getattr(args, "nproc", None) is not None:
         overrides.append(f"launcher.nproc={args.nproc}")
+    if getattr(args, "resume_from", None) is not None:
+        overrides.append(f"checkpoint.resume_from='{args.resume_from}'")
     run, warnings = load_manifest(args.manifest, overrides)
     _print(warnings)
     return run
@@ -127,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")
     with_manifest(p)
     p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+    p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
+                   help="resume from this step or checkpoint directory instead of the latest committed one")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")

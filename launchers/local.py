@@ -10,6 +10,7 @@ the run agree. No shell string is ever built from manifest values.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,11 +42,25 @@ def torchrun_command(run: Resolved, manifest_path: Path) -> list[str]:
 
 
 def run_local(run: Resolved) -> int:
-    """Train; returns the process exit code (0 ok, 1 a rank failed)."""
+    """Train; returns the exit code: 0 done, REQUEUE_EXIT_CODE saved on a signal (start again to resume),
+    1 a rank failed."""
+    from trainer.preempt import REQUEUE_EXIT_CODE
+
     path = write_resolved(run)
     if run.world_size == 1:
         from launchers.rank import run_rank
 
-        run_rank(path)
+        run_rank(path)  # a requeue request leaves through SystemExit(REQUEUE_EXIT_CODE)
         return 0
-    return subprocess.call(torchrun_command(run, path))
+    code = subprocess.call(torchrun_command(run, path))
+    if code != 0 and read_status(run.run_dir).get("state") == "requeue":
+        return REQUEUE_EXIT_CODE  # torchrun reports any non-zero rank as 1
+    return code
+
+
+def read_status(run_dir: Path) -> dict:
+    """The run's own status file (trainer.loop.RunStatus); {} when there is none."""
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -86,7 +86,7 @@ CASES = [
     ("not-supported-tied-tp", plus("parallel:\n  tp: 2\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=2"], "10:19", "model.tie_embeddings", "not supported yet"),
     ("tp-vocab", with_lines(l8="  vocab: 257") + "parallel:\n  tp: 2\n", ["launcher.nproc=2"], "8:10", "model.vocab", "does not split over tp = 2"),
     ("tp-ffn", with_lines(l7="  ffn_dim: 130") + "parallel:\n  tp: 4\n  dp_replicate: 1\n", ["launcher.nproc=4", "model.kv_heads=4"], "7:12", "model.ffn_dim", "use a multiple of 4"),
-    ("not-supported-slurm", plus("launcher:\n  kind: slurm\n"), [], "17:9", "launcher.kind", "not supported yet"),
+    ("slurm-world-mismatch", plus("launcher:\n  kind: slurm\n  slurm: {nodes: 2, gpus_per_node: 4}\nparallel:\n  dp_replicate: 2\n  dp_shard: 1\n"), [], "19:1", "parallel", "the world size is 8 (launcher.slurm.nodes · gpus_per_node = 8)"),
     ("override-bad-value", BASE, ["train.steps=zero"], None, "train.steps", "expected a whole number"),
     ("override-unknown-key", BASE, ["train.stepz=3"], None, "train.stepz", "did you mean 'steps'"),
     ("override-rule", BASE, ["parallel.tp=3"], None, "parallel.tp", "3 does not divide model.heads"),

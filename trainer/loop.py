@@ -10,7 +10,10 @@ Every rank calls `train(resolved)`; the launcher decides how many there are.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved
@@ -30,6 +34,7 @@ from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.layout import Layout
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.tensor import loss_context
+from trainer.preempt import PreemptionFlag, RequeueRequested
 
 log = logging.getLogger(__name__)
 
@@ -108,49 +113,113 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
     torch.manual_seed(m.train.seed)
     model = build_model(run, mesh, device)
     sync = build_grad_sync(model, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
-    optimizer = sync.optimizer
-    lr_schedule = build_lr_schedule(optimizer, m.optimizer, m.train.steps)
+    lr_schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
     loader = build_loader(
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,
         global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
         microbatches=run.grad_accum, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
     )
+    ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device)
+    resumed = ckpt.load_latest(m.checkpoint.resume_from, sync, model, lr_schedule, loader)
+    first = resumed.step + 1 if resumed else 1
+    if resumed and info.is_rank0:
+        log.info("resuming from %s (step %d)", resumed.path, resumed.step)
+    status = RunStatus(run.run_dir, info.is_rank0)
+    status.write("running", first - 1)
+    meter = Meter(run, device, mesh)
     autocast = autocast_for(run, device)
-    dp_group = mesh["dp"].get_group() if mesh is not None else None
-    flops_per_token = get_model_spec(m.model.kind).flops_per_token(m.model)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = peak_flops(device.type, device_name, m.logging.peak_tflops)
-    timer = StepTimer(device)
-    window_time, window_steps, loss = 0.0, 0, torch.zeros(())
+    preempt = PreemptionFlag().install()
+    loss = torch.zeros(())
 
-    with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
-                     config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type) as sinks:
-        for step in range(1, m.train.steps + 1):
-            timer.start()
-            loss = train_step(model, sync, loader.microbatches(step - 1), device, autocast, m.parallel.tp, run.grad_accum)
-            grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
-            lr = optimizer.param_groups[0]["lr"]
-            sync.step()
-            lr_schedule.step()
-            window_time += timer.stop()
-            window_steps += 1
-            sinks.advance(step, None)
+    try:
+        with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
+                         config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
+                         resume=resumed is not None) as sinks:
+            for step in range(first, m.train.steps + 1):
+                meter.start()
+                loss = train_step(model, sync, loader.microbatches(step - 1), device, autocast, m.parallel.tp, run.grad_accum)
+                grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
+                lr = sync.optimizer.param_groups[0]["lr"]
+                sync.step()
+                lr_schedule.step()
+                meter.stop()
+                sinks.advance(step, None)
+                if step % m.logging.every == 0 or step == m.train.steps:
+                    sinks.log(meter.metrics(step, loss, grad_norm, lr))
 
-            if step % m.logging.every == 0 or step == m.train.steps:
-                if dp_group is not None:
-                    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
-                tokens_per_s = run.tokens_per_step * window_steps / window_time
-                sinks.log({
-                    "step": step,
-                    "loss": loss.item(),
-                    "grad_norm": grad_norm.item(),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": window_time / window_steps,
-                    "mfu": mfu(tokens_per_s, flops_per_token, peak, run.world_size),
-                    "peak_mem_bytes": peak_memory_bytes(device),
-                })
-                window_time, window_steps = 0.0, 0
+                every = m.checkpoint.every
+                saved = bool(every) and (step % every == 0 or step == m.train.steps)
+                if saved:
+                    ckpt.save(step, sync, model, lr_schedule, loader)
+                if step < m.train.steps and preempt.agreed(device=device):
+                    if not saved:
+                        ckpt.save(step, sync, model, lr_schedule, loader)
+                    status.write("requeue", step)
+                    raise RequeueRequested(step)
+    except RequeueRequested:
+        raise
+    except BaseException as exc:
+        status.write("failed", None, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        preempt.uninstall()
+    status.write("completed", m.train.steps)
     if on_finish is not None:
         on_finish(model, sync)
     return TrainResult(steps=m.train.steps, final_loss=loss.item(), run_dir=run.run_dir)
+
+
+class Meter:
+    """Step timing since the last log, tokens/s, MFU and memory: the numbers every sink reports."""
+
+    def __init__(self, run: Resolved, device: torch.device, mesh):
+        m = run.manifest
+        self.run, self.device = run, device
+        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.flops_per_token = get_model_spec(m.model.kind).flops_per_token(m.model)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.peak = peak_flops(device.type, name, m.logging.peak_tflops)
+        self.timer = StepTimer(device)
+        self.window_time, self.window_steps = 0.0, 0
+
+    def start(self) -> None:
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.window_time += self.timer.stop()
+        self.window_steps += 1
+
+    def metrics(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
+        if self.dp_group is not None:  # the mean loss over the global batch (collective: every rank logs)
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+        tokens_per_s = self.run.tokens_per_step * self.window_steps / self.window_time
+        out = {
+            "step": step,
+            "loss": loss.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": self.window_time / self.window_steps,
+            "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.run.world_size),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+        }
+        self.window_time, self.window_steps = 0.0, 0
+        return out
+
+
+class RunStatus:
+    """<run dir>/status.json, written by rank 0: running | completed | requeue | failed, and the step.
+
+    Launchers read it where the scheduler cannot tell (torchrun's exit code, Slurm without sacct)."""
+
+    def __init__(self, run_dir: Path, is_rank0: bool):
+        self.path = run_dir / "status.json"
+        self.enabled = is_rank0
+
+    def write(self, state: str, step: int | None, error: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"state": state, "step": step, "error": error, "time": time.time()}) + "\n")
+        os.replace(tmp, self.path)

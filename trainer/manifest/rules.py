@@ -14,7 +14,7 @@ from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
-from trainer.manifest.schema import LauncherKind, Manifest, Schedule, Sharding
+from trainer.manifest.schema import Manifest, Schedule, Sharding
 from trainer.manifest.source import SourceTree
 
 
@@ -198,10 +198,6 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
         yield Finding("parallel.pp", f"{_LATER}: pipeline parallel arrives with the pipeline issue; use pp: 1")
     if p.cp > 1:
         yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
-    if m.checkpoint.every > 0:
-        yield Finding("checkpoint.every", f"{_LATER}: checkpoints arrive with the checkpoint issue; set 0")
-    if m.launcher.kind == LauncherKind.slurm:
-        yield Finding("launcher.kind", f"{_LATER}: `mantra submit` arrives with the Slurm issue; use local")
 
 
 def _path(field: str) -> tuple[str, ...]:

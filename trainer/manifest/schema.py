@@ -189,6 +189,9 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="default: <run dir>/ckpt")
     every: NonNegativeInt = Field(0, description="save every N steps; 0 never")
     keep: PositiveInt = Field(3, description="committed checkpoints to keep")
+    resume_from: str | None = Field(
+        None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
+    )
 
 
 class WandbSection(Section):

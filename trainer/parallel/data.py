@@ -23,7 +23,17 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
 from trainer.parallel.clip import clip_grad_norm_
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class GradSync(Protocol):
@@ -36,6 +46,13 @@ class GradSync(Protocol):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor: ...
 
     def step(self) -> None: ...
+
+    def state_dict(self, model: torch.nn.Module) -> dict:
+        """{"model": {fqn: tensor}, "optim": {"state.<fqn>.<key>": tensor, "param_groups.<fqn>.<key>": value}}:
+        whole-model FQNs (DTensor shards where the layout has them), the same keys for every layout."""
+        ...
+
+    def load_state_dict(self, model: torch.nn.Module, state: dict) -> None: ...
 
 
 class LocalSync:
@@ -65,6 +82,16 @@ class LocalSync:
     def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self, model: torch.nn.Module) -> dict:
+        return {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, self.optimizer, options=_FLAT),
+        }
+
+    def load_state_dict(self, model: torch.nn.Module, state: dict) -> None:
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, self.optimizer, state["optim"], options=_FLAT)
 
 
 def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> GradSync:

@@ -169,6 +169,8 @@ def simulate_ranks(
         raise ValueError(f"p2p must be 'async' or 'blocking', got {p2p!r}")
     dur = costs.per_stage(layout)
     last = layout.num_stages - 1
+    comm = dur[Kind.SEND_F]
+    has_comms = any(not a.is_compute for rank in ranks for a in rank)
     done: dict[tuple[Kind, int, int], float] = {}  # (F | B | W, stage, mb) -> end time; BW counts as B and W
     posted: dict[tuple[str, int, int, bool], float] = {}  # (dir, stage, mb, is_send) -> post time
     received: dict[tuple[str, int, int], float] = {}  # blocking: transfer -> completion on the receiver
@@ -178,14 +180,14 @@ def simulate_ranks(
 
     def arrival(direction: str, src: int, dst: int, mb: int) -> float | None:
         produced = done.get((Kind.F if direction == "F" else Kind.B, src, mb))
-        if produced is None:
-            return None
         if not layout.crosses_ranks(src, dst):
             return produced
         if p2p == "blocking":
             return received.get((direction, src, mb), -1.0)  # -1: no recv before this compute
-        sent = posted.get((direction, src, mb, True), produced)
-        return sent + dur[Kind.SEND_F][min(src, dst)]
+        if has_comms:
+            sent = posted.get((direction, src, mb, True))
+            return None if sent is None else sent + comm[min(src, dst)]
+        return None if produced is None else produced + comm[min(src, dst)]
 
     def ready(action: Action) -> float | None:
         s, mb, kind = action.stage, action.microbatch, action.kind
@@ -232,7 +234,7 @@ def simulate_ranks(
             return fresh
         end = clock[r]
         for key, partner in zip(keys, partners):
-            t = max(posted[key], posted[partner]) + dur[Kind.SEND_F][min(key[1], key[1] + (1 if key[0] == "F" else -1))]
+            t = max(posted[key], posted[partner]) + comm[key[1] if key[0] == "F" else key[1] - 1]
             end = max(end, t)
             if not key[3]:
                 received[key[:3]] = t

@@ -1,0 +1,173 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic commit, keep-N, resume, reshard.
+
+    <checkpoint dir>/
+      step-00000010/       DCP shards of the model and optimizer (+ .metadata), trainer.pt, rng-rank<R>.pt
+        COMMITTED          written by rank 0 only after every rank finished writing: the commit marker
+      latest               "step-00000010", replaced atomically after the commit
+
+Model and optimizer are saved in one layout-free form — parameter FQNs of the
+whole model, DTensor shards where the layout has them — so a checkpoint saved
+under one layout (dp4 zero2) loads under another (tp2 × dp2, one rank): DCP
+reads the pieces each rank needs. The step, the LR schedule and the data
+sampler position are global and saved once (trainer.pt); RNG states are per
+rank and restored only when the world size is unchanged.
+
+A directory without COMMITTED (a save killed half-way) is skipped with a
+warning; one that fails to load (a corrupted file) is reported in one line and
+the previous committed checkpoint is used, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger(__name__)
+
+COMMITTED = "COMMITTED"
+LATEST = "latest"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a commit marker, newest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.glob("step-*"):
+        if (d / COMMITTED).exists() and d.name[5:].isdigit():
+            steps.append(int(d.name[5:]))
+    return sorted(steps, reverse=True)
+
+
+def uncommitted_dirs(root: Path) -> list[Path]:
+    return sorted(d for d in root.glob("step-*") if d.is_dir() and not (d / COMMITTED).exists()) if root.is_dir() else []
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ok(ok: bool, device: torch.device) -> bool:
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+@dataclass
+class Resumed:
+    step: int
+    path: Path
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue as if it had never stopped."""
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device):
+        self.root = Path(root)
+        self.device = device
+        self.keep = keep
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, sync, model, lr_schedule, loader) -> Path:
+        target = step_dir(self.root, step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if target.exists():  # a half-written save of the same step from an earlier life
+                shutil.rmtree(target)
+        _barrier()
+        start = time.perf_counter()
+        dcp.save(sync.state_dict(model), checkpoint_id=str(target))
+        torch.save(_rng_state(), target / f"rng-rank{self.rank}.pt")
+        if self.rank == 0:
+            torch.save({"step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
+                        "world_size": self.world_size}, target / "trainer.pt")
+        _barrier()  # every rank's shards are on disk before the commit
+        if self.rank == 0:
+            (target / COMMITTED).write_text(f"step {step}\n")
+            tmp = self.root / f".{LATEST}.tmp"
+            tmp.write_text(target.name + "\n")
+            os.replace(tmp, self.root / LATEST)
+            self._prune(step)
+        _barrier()
+        log.info("checkpoint step %d saved to %s in %.2f s", step, target, time.perf_counter() - start)
+        return target
+
+    def _prune(self, newest: int) -> None:
+        for old in committed_steps(self.root)[self.keep:]:
+            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        for partial in uncommitted_dirs(self.root):
+            if int(partial.name[5:]) < newest:
+                shutil.rmtree(partial, ignore_errors=True)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def candidates(self, resume_from: str | None) -> list[Path]:
+        if resume_from and not resume_from.isdigit():
+            path = Path(resume_from)
+            if not (path / COMMITTED).exists():
+                raise FileNotFoundError(f"checkpoint.resume_from: {path} is not a committed checkpoint (no {COMMITTED})")
+            return [path]
+        for partial in uncommitted_dirs(self.root):
+            if self.rank == 0:
+                log.warning("checkpoint %s has no %s marker (a save that did not finish); skipping it", partial, COMMITTED)
+        steps = committed_steps(self.root)
+        if resume_from:
+            wanted = int(resume_from)
+            if wanted not in steps:
+                raise FileNotFoundError(f"checkpoint.resume_from: no committed checkpoint for step {wanted} in {self.root}")
+            steps = [s for s in steps if s <= wanted]
+        return [step_dir(self.root, s) for s in steps]
+
+    def load_latest(self, resume_from: str | None, sync, model, lr_schedule, loader) -> Resumed | None:
+        """Restore the newest loadable committed checkpoint; None when there is none (a fresh run)."""
+        for path in self.candidates(resume_from):
+            ok, error = True, ""
+            try:
+                state = sync.state_dict(model)
+                dcp.load(state, checkpoint_id=str(path))
+                trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+            except Exception as exc:  # a corrupted or missing file: fall back on every rank alike
+                ok, error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if not _all_ok(ok, self.device):
+                if self.rank == 0 or not ok:
+                    log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", path, error or "on another rank")
+                continue
+            sync.load_state_dict(model, state)
+            lr_schedule.load_state_dict(trainer_state["lr_schedule"])
+            loader.load_state_dict(trainer_state["loader"])
+            rng = path / f"rng-rank{self.rank}.pt"
+            if trainer_state["world_size"] == self.world_size and rng.exists():
+                _set_rng_state(torch.load(rng, weights_only=True))
+            return Resumed(step=int(trainer_state["step"]), path=path)
+        return None
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
