@@ -3,6 +3,7 @@
     mantra validate manifests/tiny-cpu.yaml            # errors as FILE:LINE:COL, exit 2
     mantra run      manifests/tiny-cpu.yaml --nproc 2  # torchrun --standalone, 2 ranks
     mantra dry-run  manifests/tiny-cpu.yaml            # layout, parameters per rank, the command
+    mantra submit   manifests/tiny-cpu.yaml --wait     # Slurm through submitit; requeue + auto-resume
     mantra schema   > manifests/schema.json            # JSON Schema for editors
     mantra models                                      # installed model kinds
     mantra tokenize corpus.txt --out data/train.bin    # text -> token ids
@@ -16,6 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
 
@@ -71,9 +73,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
     from launchers.dry_run import print_dry_run
+    from trainer.manifest.schema import LauncherKind
 
-    print_dry_run(_load(args))
+    run = _load(args)
+    print_dry_run(run)
+    if run.manifest.launcher.kind == LauncherKind.slurm:  # and the sbatch script `mantra submit` would send
+        from launchers.slurm import SlurmError, print_sbatch_script
+
+        try:
+            print_sbatch_script(run)
+        except SlurmError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     return EXIT_OK
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from launchers.slurm import SlurmError, submit_manifests
+
+    try:
+        return submit_manifests(args.manifests, list(args.set or []), list(args.sweep or []), wait=args.wait)
+    except SlurmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -110,6 +132,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from trainer.export import ExportError, export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out)
+    except (ExportError, FileNotFoundError) as exc:
+        raise BadInput(str(exc)) from None
+    print(f"{out}: model.safetensors + config.json (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -138,11 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
     p.set_defaults(fn=cmd_dry_run)
 
+    p = sub.add_parser("submit", help="submit to Slurm (one task per GPU); requeued and resumed when preempted")
+    with_manifest(p, many=True)
+    p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                   help="one run per value (repeatable: every combination), submitted as one job array")
+    p.add_argument("--wait", action="store_true", help="stream rank 0's log until the job ends; exit with its status")
+    p.set_defaults(fn=cmd_submit)
+
     p = sub.add_parser("schema", help="print the manifest's JSON Schema")
     p.set_defaults(fn=cmd_schema)
 
     p = sub.add_parser("models", help="list the installed model kinds")
     p.set_defaults(fn=cmd_models)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    p.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint directory (step-N) or a checkpoint root")
+    p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: safetensors + config.json)")
+    p.add_argument("out", type=Path, metavar="DIR", help="output directory")
+    p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("tokenize", help="turn a text file into a .bin of token ids")
     p.add_argument("input", metavar="TEXT", help="UTF-8 text file")

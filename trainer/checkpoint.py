@@ -29,11 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 log = logging.getLogger(__name__)
 
 COMMITTED = "COMMITTED"
 LATEST = "latest"
+MANIFEST = "manifest.yaml"  # the run's resolved manifest, so a checkpoint explains itself (export reads it)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -86,7 +88,7 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, sync, model, lr_schedule, loader) -> Path:
+    def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "") -> Path:
         target = step_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -99,6 +101,7 @@ class Checkpointer:
         if self.rank == 0:
             torch.save({"step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
                         "world_size": self.world_size}, target / "trainer.pt")
+            (target / MANIFEST).write_text(manifest_text)
         _barrier()  # every rank's shards are on disk before the commit
         if self.rank == 0:
             (target / COMMITTED).write_text(f"step {step}\n")
@@ -141,11 +144,12 @@ class Checkpointer:
         for path in self.candidates(resume_from):
             ok, error = True, ""
             try:
+                verify_files(path)
                 state = sync.state_dict(model)
                 dcp.load(state, checkpoint_id=str(path))
                 trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-            except Exception as exc:  # a corrupted or missing file: fall back on every rank alike
-                ok, error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            except (Exception, CheckpointException) as exc:  # a corrupt or missing file: fall back on every rank alike
+                ok, error = False, _one_line(exc)
             if not _all_ok(ok, self.device):
                 if self.rank == 0 or not ok:
                     log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", path, error or "on another rank")
@@ -158,6 +162,29 @@ class Checkpointer:
                 _set_rng_state(torch.load(rng, weights_only=True))
             return Resumed(step=int(trainer_state["step"]), path=path)
         return None
+
+
+def verify_files(path: Path) -> None:
+    """Every shard file the checkpoint's metadata points to exists and is long enough (truncation check)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.exists():
+            raise FileNotFoundError(f"{file} is missing")
+        if file.stat().st_size < size:
+            raise EOFError(f"{file} is truncated ({file.stat().st_size} of {size} bytes)")
+    for extra in ("trainer.pt",):
+        if not (path / extra).exists():
+            raise FileNotFoundError(f"{path / extra} is missing")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The innermost error of a (possibly multi-rank) checkpoint exception, on one line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def _rng_state() -> dict:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
-from trainer.manifest import Resolved
+from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Precision
 from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
 from trainer.models import get_model_spec
@@ -119,6 +119,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
         global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
         microbatches=run.grad_accum, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
     )
+    manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device)
     resumed = ckpt.load_latest(m.checkpoint.resume_from, sync, model, lr_schedule, loader)
     first = resumed.step + 1 if resumed else 1
@@ -150,10 +151,10 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                 every = m.checkpoint.every
                 saved = bool(every) and (step % every == 0 or step == m.train.steps)
                 if saved:
-                    ckpt.save(step, sync, model, lr_schedule, loader)
+                    ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
                 if step < m.train.steps and preempt.agreed(device=device):
                     if not saved:
-                        ckpt.save(step, sync, model, lr_schedule, loader)
+                        ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
                     status.write("requeue", step)
                     raise RequeueRequested(step)
     except RequeueRequested:

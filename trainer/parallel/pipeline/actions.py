@@ -89,8 +89,8 @@ class Schedule:
     """A generated schedule: one ordered action list per pipeline rank, plus its shape.
 
     `ranks[r]` is complete (compute and the sends/recvs in posting order);
-    `compute_only()` drops the comms. `layout` says
-    which rank holds which virtual stage.
+    `compute_only()` drops the comms. `layout` says which rank holds which
+    virtual stage (`layout.stage_to_rank()` is torch's mapping).
     """
 
     name: str

@@ -9,14 +9,17 @@ ranks sit between two computes (else the producer's end). On *both* ranks the
 op goes after every compute that started before t and before every compute
 that starts at or after t: the send after its producer, the recv before its
 consumer, and on the reference clock a blocking pair costs nobody a wait.
-The ops of one slot (between two computes) form one batch.
+The ops of one slot (between two computes) form one batch, sends first.
 
 Why blocking p2p cannot deadlock with this placement: on every rank the
 slots cover disjoint, increasing ranges of keys, and the two ends of a
 transfer share one key. Take the smallest key among unmatched ops of stuck
 batches; its partner's rank must be stuck at an earlier batch, whose keys
-are smaller, and one of them is unmatched - a contradiction. (The
-simulator checks it again for every schedule, `checks.problems`.)
+are smaller, and one of them is unmatched - a contradiction. The same
+argument covers a runtime that posts the ops one by one with non-blocking
+sends and waits at each recv (torch's `_PipelineScheduleRuntime`): sends
+come first in each batch, so a recv only waits on a partner that is stuck
+at a smaller key. (The simulator checks it again, `checks.problems`.)
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ def add_comms(compute: Sequence[Sequence[Action]], layout: StageLayout) -> list[
     timed = simulate_ranks(ranks, layout, Costs(), "async")
     starts = [[span.start for span in rank] for rank in timed.spans]
     gaps = [_gaps(rank) for rank in timed.spans]
+    gap_ends = [[hi for _, hi in g] for g in gaps]
     begin = {(span.action.kind, span.action.stage, span.action.microbatch): span.start for rank in timed.spans for span in rank}
-    slots: list[dict[int, list[tuple[float, str, int, int, Action]]]] = [{} for _ in ranks]
+    slots: list[dict[int, list[tuple[bool, float, str, int, int, Action]]]] = [{} for _ in ranks]
 
     def place(rank: int, key: float, action: Action) -> None:
         slot = bisect_left(starts[rank], key)
-        slots[rank].setdefault(slot, []).append((key, action.kind.value, action.stage, action.microbatch, action))
+        is_recv = action.kind in (Kind.RECV_F, Kind.RECV_B)
+        slots[rank].setdefault(slot, []).append((is_recv, key, action.kind.value, action.stage, action.microbatch, action))
 
     def transfer(src_rank: int, dst_rank: int, produced: float, needed: float, send: Action, recv: Action) -> None:
-        key = _meeting_point(gaps[src_rank], gaps[dst_rank], produced, needed)
+        key = _meeting_point(gaps[src_rank], gaps[dst_rank], gap_ends[src_rank], gap_ends[dst_rank], produced, needed)
         place(src_rank, key, send)
         place(dst_rank, key, recv)
 
@@ -66,7 +71,7 @@ def add_comms(compute: Sequence[Sequence[Action]], layout: StageLayout) -> list[
     for r, rank in enumerate(ranks):
         merged: list[Action] = []
         for i in range(len(rank) + 1):
-            merged += [entry[-1] for entry in sorted(slots[r].get(i, []), key=lambda e: e[:4])]
+            merged += [entry[-1] for entry in sorted(slots[r].get(i, []), key=lambda e: e[:5])]
             if i < len(rank):
                 merged.append(rank[i])
         out.append(merged)
@@ -79,14 +84,16 @@ def _gaps(spans: Sequence) -> list[tuple[float, float]]:
     return [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
 
 
-def _meeting_point(a: list[tuple[float, float]], b: list[tuple[float, float]], produced: float, needed: float) -> float:
+def _meeting_point(
+    a: list[tuple[float, float]], b: list[tuple[float, float]], a_ends: list[float], b_ends: list[float],
+    produced: float, needed: float,
+) -> float:
     """Earliest time in [produced, needed] at which both ranks sit between computes; `produced` if none.
 
     Meeting there, a blocking send/recv pair costs neither rank any time on
     the reference clock; without such a time, the sender waits a little.
     """
-    i = max(bisect_left([hi for _, hi in a], produced), 0)
-    j = max(bisect_left([hi for _, hi in b], produced), 0)
+    i, j = bisect_left(a_ends, produced), bisect_left(b_ends, produced)
     while i < len(a) and j < len(b):
         lo = max(a[i][0], b[j][0], produced)
         if lo > needed:

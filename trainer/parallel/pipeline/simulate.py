@@ -157,7 +157,9 @@ def _transfer(action: Action) -> tuple[str, int, int]:
 
 def simulate(schedule: Schedule, costs: Costs | None = None, p2p: P2P = "async") -> SimResult:
     """Run `schedule` on the clock; see the module docstring for the rules."""
-    return simulate_ranks(schedule.ranks, schedule.layout, costs or Costs(), p2p, name=schedule.name, microbatches=schedule.microbatches)
+    return simulate_ranks(
+        schedule.ranks, schedule.layout, costs or Costs(), p2p, name=schedule.name, microbatches=schedule.microbatches
+    )
 
 
 def simulate_ranks(

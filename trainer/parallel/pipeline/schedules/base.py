@@ -47,4 +47,7 @@ def need_microbatches(name: str, pp: int, microbatches: int) -> None:
 
 
 def single_chunk(name: str, virtual_stages: int) -> None:
-    require(virtual_stages == 1, f"{name} runs one chunk per rank, got virtual_stages={virtual_stages}; use interleaved-1f1b or zb-v")
+    require(
+        virtual_stages == 1,
+        f"{name} runs one chunk per rank, got virtual_stages={virtual_stages}; use interleaved-1f1b or zb-v",
+    )

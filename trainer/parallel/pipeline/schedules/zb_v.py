@@ -16,13 +16,16 @@ n = max(m, 2p-1) and then dropping the padded microbatches >= m:
               p-r times: B c0, W c0
               the deferred W of c1, then of c0
 
-With T_F = T_B = T_W each chunk costs a third of 1F1B's per-rank time per
-pass over half the layers; the V keeps 1F1B's activation memory in
-whole-rank units (at most 2p chunk activations, each half a rank's) while
-the first rank also finishes the loss chunk, so both the warm-up and the
-cool-down ramps shrink to (p-1) half-chunk passes. Within one step the fill
-ramp remains (no optimizer post-validation here); see `simulate`.
-Pipeline traffic is twice 1F1B's (two crossings per microbatch per rank).
+With T_F = T_B = T_W and m >= 2p-1 every rank computes for exactly
+m(T_F+T_B+T_W) without a gap (a parallelogram); the step takes
+m(T_F+T_B+T_W) + (p-1) T_F/2, the fill ramp of p-1 half-size chunks, which
+only the paper's optimizer post-validation (not implemented in mantra)
+would overlap with the next step. Activations: at most 2p chunk
+activations per rank = p whole-rank microbatches, 1F1B's first-rank peak.
+With fewer than 2p-1 microbatches the padded shape minus the missing
+microbatches is still valid, but not bubble-free. The handcrafted shape
+assumes equal F/B/W times; unequal ones leave bubbles (the paper switches
+to an automatic V scheduler for those). Pipeline traffic is twice 1F1B's.
 """
 
 from __future__ import annotations

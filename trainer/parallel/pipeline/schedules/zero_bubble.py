@@ -8,20 +8,21 @@ stay held until W. One chunk per rank, stage r on rank r.
 ZB-H1 (1F1B's memory: at most p microbatches in flight on any rank):
 
     warmup    p-1-r forwards, as 1F1B
-    steady    F, B, and once r backwards are pending, the oldest W
-    cooldown  B, then the oldest W once r are pending; the r deferred W last
+    steady    F, B, then the oldest W once more than r W are pending
+    cooldown  B, then the oldest W the same way; the r deferred W last
 
 Deferring W by r microbatches on rank r lets the later ranks, which wait
 least for gradients, fill the cool-down with W. Uniform stages take
-m(T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W) when T_W <= T_B: a third of 1F1B's
-bubble at T_F = T_B = T_W (p=4, m=8: 27 units against 1F1B's 33). A greedy
-"B first, then F, W when idle" with the same memory takes 29: the warm-up
-count and where W is deferred make the difference.
+m(T_F+T_B+T_W) + (p-1)(T_F+T_B-min(T_F,T_B,T_W)) (simulated, every p and
+m tried): the paper's (p-1)(T_F+T_B-T_W) exactly when T_W <= min(T_F, T_B);
+a third of 1F1B's bubble at T_F = T_B = T_W (p=4, m=8: 27 units against
+1F1B's 33). A greedy "B first, then F, W when idle" with the same memory
+takes 29: the warm-up count and where W is deferred make the difference.
 
 ZB-H2 (up to 2p-1 in flight: about twice 1F1B's activation memory):
 
     warmup    2(p-1-r)+1 forwards: fill the bubble before the first B
-    steady    B, then the oldest W once d_r backwards are pending, then F
+    steady    B, then the oldest W once more than d_r W are pending, then F
     cooldown  B and W the same way; the d_r deferred W last
 
 with d_r = 2r (microbatches >= 2p-1): the W tail on rank r mirrors the F
@@ -30,11 +31,13 @@ a parallelogram. With fewer microbatches the warm-up is cut short and d_r
 shrinks to max(0, 2r - (2p-1-m)), which keeps the step at the same length.
 
 Within one step even ZB-H2 keeps a ramp: rank p-1 cannot start before
-(p-1) T_F, so the step takes m(T_F+T_B+T_W) + (p-1) T_F at T_F = T_B = T_W
-(the same as ZB-H1 then). The paper reaches zero bubble by overlapping
-steps through its optimizer post-validation (no synchronisation before the
-optimizer step); mantra does not implement post-validation, so the ramp
-is paid every step. `SimResult.span_bubble_rate` shows what would remain.
+(p-1) T_F, so the step takes m(T_F+T_B+T_W) + (p-1) T_F, like ZB-H1 at
+T_F = T_B = T_W (simulated: this holds whenever T_B <= 2 min(T_F, T_W);
+the handcrafted shape, like the paper's, is tuned for equal times). The
+paper reaches zero bubble by overlapping steps through its optimizer
+post-validation (no synchronisation before the optimizer step); mantra
+does not implement post-validation, so the ramp is paid every step.
+`SimResult.span_bubble_rate` shows what would remain without it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,150 @@
+"""From a resolved manifest to the sbatch script: what `mantra submit` sends, and `mantra dry-run` prints.
+
+Pure: nothing here talks to Slurm. The script is submitit's (SlurmExecutor), with:
+
+- one task per GPU: `--nodes` = launcher.slurm.nodes, `--ntasks-per-node` = gpus_per_node, and
+  `--gpus-per-node` = gpus_per_node where the partition has GPUs. On a CPU-only partition (no GPU
+  gres) the same manifest asks for no GPUs and gpus_per_node is simply the tasks per node;
+- `--signal=USR1@<signal_grace_s>`: Slurm warns every task that long before the time limit. The
+  trainer's handler (trainer/preempt.py) saves a committed checkpoint at the next step boundary on
+  all ranks together, each rank leaves a requeue marker and exits 75, and the batch script, still
+  alive, runs `scontrol requeue`; the next allocation resumes from the checkpoint. submitit's own
+  USR2 handler is not used: it checkpoints from task 0 alone, and we need every rank to save.
+- a batch shell that exits at SIGTERM (`trap 'exit 143' TERM`): Slurm sends SIGTERM when it cancels,
+  preempts or itself requeues the job, and then Slurm alone decides what comes next (a `scancel`
+  must never come back as a requeue);
+- `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
+- `--requeue`, `--chdir` = the directory `mantra submit` ran in (relative manifest paths hold),
+  setup lines before srun, and a pyxis/enroot container when launcher.slurm.container_image is set.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from trainer.manifest import Resolved
+
+REQUEUE_MARKER = "requeue-{job_id}"  # in the submitit folder; written by a rank that exits to be requeued
+
+
+class BadRequest(ValueError):
+    """A launcher.slurm value sbatch could never accept (caught before anything is submitted)."""
+
+
+def time_minutes(text: str) -> int:
+    """Slurm's time string (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in whole minutes, rounded up."""
+    days, sep, rest = text.partition("-")
+    if not sep:
+        days, rest = "0", text
+    parts = [int(p) for p in rest.split(":")]
+    if sep:  # D-HH[:MM[:SS]]
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:  # MM[:SS]
+        h, (m, s) = 0, (parts + [0])[:2]
+    total_s = ((int(days) * 24 + h) * 60 + m) * 60 + s
+    return max(1, -(-total_s // 60))
+
+
+def parse_extra(extra: tuple[str, ...]) -> dict[str, str | bool]:
+    """launcher.slurm.extra ('--reservation=x', '--mail-type=END', '--exclusive') as submitit parameters."""
+    out: dict[str, str | bool] = {}
+    for item in extra:
+        text = item.strip().removeprefix("#SBATCH").strip()
+        if not text.startswith("--") or len(text) < 3 or " " in text.partition("=")[0]:
+            raise BadRequest(f"launcher.slurm.extra: '{item}' is not an sbatch option; write '--key=value' or '--flag'")
+        key, sep, value = text[2:].partition("=")
+        out[key] = value if sep else True
+    return out
+
+
+def container_mounts(paths: list[Path]) -> str:
+    """The directories the container needs (cwd, run and checkpoint dirs, the submitit folder), outermost only."""
+    absolute = sorted({p.resolve() for p in paths}, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for p in absolute:
+        if not any(p == k or k in p.parents for k in kept):
+            kept.append(p)
+    return ",".join(f"{p}:{p}" for p in kept)
+
+
+def python_for(run: Resolved) -> str:
+    """The interpreter the tasks run: this one, or the container's `python`."""
+    return "python" if run.manifest.launcher.slurm.container_image else shlex.quote(sys.executable)
+
+
+def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool) -> dict:
+    """submitit SlurmExecutor parameters for these runs (one job, or one array when several).
+
+    All runs share one request (the caller checks); the job is named after the first run."""
+    run = runs[0]
+    s = run.manifest.launcher.slurm
+    marker = shlex.quote(str(folder.resolve())) + "/" + REQUEUE_MARKER.format(job_id="${SLURM_JOB_ID}")
+    setup = [
+        "# Slurm sends SIGTERM when it cancels, preempts or requeues the job: then Slurm decides what follows",
+        "trap 'exit 143' TERM",
+        f"rm -f {marker}",
+        *s.setup,
+    ]
+    teardown = [
+        "rc=$?",
+        "# every rank saved a committed checkpoint after USR1 (time limit near) and asked to be requeued",
+        f"if [ -e {marker} ]; then",
+        f"    rm -f {marker}",
+        '    echo "mantra: checkpoint committed; requeueing job $SLURM_JOB_ID to resume from it"',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        '    echo "mantra: scontrol requeue failed; submit again to resume from the checkpoint" >&2',
+        "fi",
+        'exit "$rc"',
+    ]
+    srun_args = ["--kill-on-bad-exit=1"]
+    if s.container_image:
+        dirs = [cwd, folder, *(r.run_dir for r in runs), *(r.checkpoint_dir for r in runs)]
+        srun_args += [f"--container-image={s.container_image}", f"--container-mounts={container_mounts(dirs)}",
+                      f"--container-workdir={cwd.resolve()}"]
+    params: dict = {
+        "job_name": run.manifest.name,
+        "nodes": s.nodes,
+        "ntasks_per_node": s.gpus_per_node,
+        "time": time_minutes(s.time),
+        "signal_delay_s": s.signal_grace_s,
+        "setup": setup,
+        "teardown": teardown,
+        "srun_args": srun_args,
+    }
+    if gpus:
+        params["gpus_per_node"] = s.gpus_per_node
+    for key in ("partition", "account", "qos", "cpus_per_task", "constraint"):
+        if getattr(s, key) is not None:
+            params[key] = getattr(s, key)
+    if s.exclusive:
+        params["exclusive"] = True
+    additional: dict = {
+        "time": s.time,  # the user's exact string (submitit keeps whole minutes for itself)
+        "signal": f"USR1@{s.signal_grace_s}",  # replaces submitit's USR2: our ranks handle USR1 themselves
+        "requeue": True,
+        "chdir": str(cwd.resolve()),
+    }
+    if s.mem:
+        additional["mem"] = s.mem
+    additional.update(parse_extra(s.extra))
+    params["additional_parameters"] = additional
+    return params
+
+
+def task_command(python: str, folder: Path) -> str:
+    """What srun starts on every task (the same string submitit builds)."""
+    return f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def sbatch_script(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool) -> str:
+    """The script exactly as submitit would write it for these runs."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = sbatch_parameters(runs, folder, cwd, gpus)
+    if len(runs) > 1:
+        params["map_count"] = len(runs)
+    return _make_sbatch_string(command=task_command(python_for(runs[0]), folder), folder=folder, **params)

@@ -1,0 +1,490 @@
+"""`mantra submit`: Slurm through submitit — validate, submit, follow; requeue and resume.
+
+    mantra submit manifests/llama-1b.yaml                          # prints the job id, logs, run dir; returns
+    mantra submit manifests/llama-1b.yaml --wait                   # streams rank 0's log, exits with the job's status
+    mantra submit manifests/tiny-cpu.yaml --sweep train.seed=0,1   # one job array, one run dir per element
+
+The manifest is validated first (a bad one never reaches the queue) and its resolved form is
+written into the run directory; every task runs `run_task` on that file, which derives torch's
+env:// variables from Slurm's and calls the same rank entry point `mantra run` uses.
+
+Job state never depends on sacct alone: slurmctld is asked first (`scontrol show job`, which
+knows a finished job for MinJobAge seconds), then accounting if the cluster has it, then the
+job's own result files that submitit writes per task. submitit's `job.result()` (sacct only,
+and it waits forever for a job that died before writing its result) is never called.
+Requeue and preemption: see launchers/sbatch.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from launchers.sbatch import REQUEUE_MARKER, BadRequest, python_for, sbatch_parameters, sbatch_script
+from launchers.sweep import parse_sweeps
+from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
+
+# States after which Slurm does nothing more with a job (a requeued job goes back to PENDING instead).
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"})
+
+
+class SlurmError(Exception):
+    """One line for the user. exit_code 2 when the request is at fault (sbatch refused it), 1 otherwise."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+def require_slurm() -> None:
+    missing = [c for c in ("sbatch", "srun", "scontrol") if shutil.which(c) is None]
+    if missing:
+        raise SlurmError(f"no Slurm on this machine ({', '.join(missing)} not on PATH); "
+                         "submit from a Slurm login node, or train here with `mantra run`")
+
+
+def partition_has_gpus(partition: str | None) -> bool:
+    """Whether the partition's nodes declare GPUs (gres); True when Slurm cannot tell (e.g. no sinfo here)."""
+    try:
+        proc = subprocess.run(["sinfo", "-a", "-h", "-o", "%P|%G"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if proc.returncode != 0:
+        return True
+    rows = [line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line]
+    if partition is None:
+        gres = [g for p, g in rows if p.endswith("*")]  # the default partition
+    else:
+        gres = [g for p, g in rows if p.rstrip("*") == partition]
+    # a partition sinfo does not know: sbatch will say so, and should not first trip over the GPU request
+    return any("gpu" in g.lower() for g in gres)
+
+
+# ---------------------------------------------------------------------------- manifests -> runs
+
+def load_runs(manifests: list[str], overrides: list[str], sweeps: list[str]) -> tuple[list[Resolved], Path, list[Diagnostic]]:
+    """Every (manifest, sweep point) validated and resolved with launcher.kind slurm; all errors at once.
+
+    Returns the runs, the directory the submission's files go under (the first manifest's own run
+    directory) and the warnings."""
+    points = parse_sweeps(sweeps)
+    runs, errors, warnings = [], [], []
+    base_dir: Path | None = None
+    for path in manifests:
+        head = ["launcher.kind=slurm", *overrides]
+        try:
+            base, warns = load_manifest(path, head)
+        except ManifestError as exc:
+            errors += exc.diagnostics
+            warnings += exc.warnings
+            continue
+        base_dir = base_dir or base.run_dir
+        if not sweeps:
+            runs.append(base)
+            warnings += warns
+            continue
+        m = base.manifest
+        for point in points:  # each point gets its own name, run dir and (if named) checkpoint dir
+            rename = [f"name={json.dumps(m.name + point.suffix)}"]
+            if m.logging.dir:
+                rename.append(f"logging.dir={json.dumps(m.logging.dir + point.suffix)}")
+            if m.checkpoint.dir:
+                rename.append(f"checkpoint.dir={json.dumps(m.checkpoint.dir + point.suffix)}")
+            try:
+                run, warns = load_manifest(path, [*head, *point.overrides, *rename])
+            except ManifestError as exc:
+                errors += exc.diagnostics
+                warnings += exc.warnings
+                continue
+            runs.append(run)
+            warnings += warns
+    unique = list({d.render(): d for d in warnings}.values())
+    if errors:
+        raise ManifestError(list({d.render(): d for d in errors}.values()) + unique)
+    return runs, base_dir, unique
+
+
+def check_one_request(runs: list[Resolved]) -> None:
+    """A job array is one sbatch request: every element must ask for the same thing, and own its run dir."""
+    first = runs[0]
+    a = first.manifest.launcher.slurm.model_dump(mode="json")
+    for run in runs[1:]:
+        b = run.manifest.launcher.slurm.model_dump(mode="json")
+        for key in a:
+            if a[key] != b[key]:
+                raise SlurmError(
+                    f"a job array needs one Slurm request, but {run.manifest.name} asks for launcher.slurm.{key} "
+                    f"{b[key]!r} and {first.manifest.name} for {a[key]!r}; submit them separately", 2)
+    seen: dict[Path, str] = {}
+    for run in runs:
+        where = run.run_dir.resolve()
+        if where in seen:
+            raise SlurmError(f"{seen[where]} and {run.manifest.name} would share the run directory {run.run_dir}; "
+                             "give them different names (or logging.dir)", 2)
+        seen[where] = run.manifest.name
+
+
+# ---------------------------------------------------------------------------- submission
+
+@dataclass
+class Submitted:
+    job_id: str  # "17", or "17_0" for an array element
+    run: Resolved
+    folder: Path  # submitit's folder: the script, pickles, logs, per-task results
+    ntasks: int
+    job: Any  # the submitit Job
+
+
+def submission_folder(base_dir: Path) -> Path:
+    """A fresh folder per submission: job ids restart at 1 when Slurm's state is wiped, and a reused
+    folder would hand back an old job's result."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    return (base_dir / "slurm" / stamp).resolve()
+
+
+def rejection(stderr: str, runs: list[Resolved]) -> str:
+    """sbatch's refusal as one line, naming the manifest key it concerns."""
+    lines = [re.sub(r"^sbatch: error: ", "", line.strip()) for line in stderr.splitlines() if line.strip()]
+    failed = [line.split("submission failed:", 1)[1].strip() for line in lines if "submission failed:" in line]
+    reason = (failed or lines or ["no reason given"])[-1]
+    reason = reason[:1].lower() + reason[1:]
+    s = runs[0].manifest.launcher.slurm
+    low = reason.lower()
+    hints = [
+        ("partition", f"launcher.slurm.partition is {s.partition or 'unset (the default)'}; `sinfo -s` lists the partitions"),
+        ("account", f"launcher.slurm.account is {s.account}; `sacctmgr show assoc user=$USER` lists yours"),
+        ("qos", f"launcher.slurm.qos is {s.qos}"),
+        ("gres", f"launcher.slurm.gpus_per_node is {s.gpus_per_node}; the partition has fewer GPUs per node"),
+        ("feature", f"launcher.slurm.constraint is {s.constraint}"),
+        ("node count", f"launcher.slurm.nodes is {s.nodes}; the partition has fewer nodes"),
+        ("processors", f"launcher.slurm.gpus_per_node (tasks per node) is {s.gpus_per_node}, "
+                       f"cpus_per_task {s.cpus_per_task or 1}; a node has fewer CPUs"),
+        ("time limit", f"launcher.slurm.time is {s.time}; the partition allows less"),
+        ("memory", f"launcher.slurm.mem is {s.mem}"),
+    ]
+    hint = next((h for key, h in hints if key in low), "")
+    return f"sbatch rejected the job: {reason}" + (f" ({hint})" if hint else "")
+
+
+def submit(runs: list[Resolved], base_dir: Path) -> list[Submitted]:
+    """Write each resolved manifest into its run directory and submit one job (one array for several).
+    On a refusal nothing stays behind: no job, no submission folder, no run directory it created."""
+    require_slurm()
+    import submitit
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    from launchers.local import write_resolved
+
+    check_one_request(runs)
+    cwd = Path.cwd()
+    folder = submission_folder(base_dir)
+    try:
+        params = sbatch_parameters(runs, folder, cwd, gpus=partition_has_gpus(runs[0].manifest.launcher.slurm.partition))
+    except BadRequest as exc:
+        raise SlurmError(str(exc), 2) from None
+    created = [r.run_dir for r in runs if not r.run_dir.exists()]
+    paths = [str(write_resolved(r).resolve()) for r in runs]
+    executor = submitit.SlurmExecutor(folder=folder, python=python_for(runs[0]))
+    executor.update_parameters(**params)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it in one line
+            jobs = [executor.submit(run_task, paths[0])] if len(runs) == 1 else executor.map_array(run_task, paths)
+    except (FailedJobError, FailedSubmissionError) as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        for d in created:
+            shutil.rmtree(d, ignore_errors=True)
+        raise SlurmError(rejection(str(exc), runs), 2) from None
+    ntasks = runs[0].world_size
+    return [Submitted(str(job.job_id), run, folder, ntasks, job) for job, run in zip(jobs, runs)]
+
+
+def rank0_logs(sub: Submitted) -> tuple[Path, Path]:
+    from submitit.core.utils import JobPaths
+
+    paths = JobPaths(sub.folder, job_id=sub.job_id, task_id=0)
+    return paths.stdout, paths.stderr
+
+
+def describe(subs: list[Submitted], out: TextIO) -> None:
+    first = subs[0]
+    s = first.run.manifest.launcher.slurm
+    what = f"job array {first.job_id.split('_')[0]} ({len(subs)} runs)" if len(subs) > 1 else f"job {first.job_id}"
+    print(f"submitted {what}: {s.nodes} node(s) x {s.gpus_per_node} task(s), partition {s.partition or '(default)'}, "
+          f"time {s.time}", file=out)
+    for sub in subs:
+        log, _ = rank0_logs(sub)
+        name = sub.run.manifest.name
+        print(f"  {sub.job_id:>8}  run {name}  dir {sub.run.run_dir}  log {log} (.err beside it)", file=out)
+    print(f"  script {first.folder}; follow with `squeue -j {first.job_id.split('_')[0]}`, "
+          f"cancel with `scancel {first.job_id.split('_')[0]}`", file=out)
+
+
+def submit_manifests(manifests: list[str], overrides: list[str], sweeps: list[str], wait: bool) -> int:
+    """`mantra submit`: 0 submitted (or, with wait, every job completed), 1 a job failed; raises
+    ManifestError (exit 2) before anything is submitted, SlurmError for Slurm's refusals."""
+    runs, base_dir, warnings = load_runs(manifests, overrides, sweeps)
+    for d in warnings:
+        print(d.render(), file=sys.stderr)
+    subs = submit(runs, base_dir)
+    describe(subs, sys.stdout)
+    sys.stdout.flush()
+    return wait_for(subs) if wait else 0
+
+
+def print_sbatch_script(run: Resolved, out: TextIO = sys.stdout) -> None:
+    """`mantra dry-run` on a slurm manifest: the script `mantra submit` would send, submitting nothing."""
+    gpus = partition_has_gpus(run.manifest.launcher.slurm.partition) if shutil.which("sinfo") else True
+    try:
+        script = sbatch_script([run], submission_folder(run.run_dir), Path.cwd(), gpus)
+    except BadRequest as exc:
+        raise SlurmError(str(exc), 2) from None
+    print(f"sbatch script (not submitted; `mantra submit {run.source}` sends it):", file=out)
+    print(script, file=out)
+
+
+# ---------------------------------------------------------------------------- job state without sacct
+
+@dataclass(frozen=True)
+class JobState:
+    state: str  # Slurm's word: PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN
+    exit_code: str = ""  # "rc:signal"
+    reason: str = ""
+    restarts: int = 0
+    source: str = "scontrol"
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL or self.state == "UNKNOWN"
+
+
+def _field(line: str, key: str) -> str:
+    m = re.search(rf"(?:^|\s){key}=(\S*)", line)
+    return m.group(1) if m else ""
+
+
+def _quiet(cmd: list[str]) -> subprocess.CompletedProcess | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def job_state(sub: Submitted) -> JobState:
+    # 1. slurmctld, which remembers a finished job for MinJobAge seconds
+    proc = _quiet(["scontrol", "show", "job", "-o", sub.job_id])
+    if proc is not None and proc.returncode == 0 and "JobState=" in proc.stdout:
+        line = proc.stdout.splitlines()[0]
+        state = _field(line, "JobState")
+        return JobState(state, _field(line, "ExitCode"), _field(line, "Reason"), int(_field(line, "Restarts") or 0))
+    # 2. accounting, on clusters that have it
+    proc = _quiet(["sacct", "-n", "-X", "-P", "-j", sub.job_id, "-o", "State,ExitCode"])
+    if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+        state, _, code = proc.stdout.splitlines()[0].partition("|")
+        return JobState(state.split()[0], code, source="sacct")
+    # 3. the job's own result files (one per task)
+    return results_state(sub)
+
+
+def task_outcomes(sub: Submitted) -> list[tuple[str, Any] | None]:
+    """Per task: ("success", value) or ("error", traceback), or None where it wrote no result."""
+    from submitit.core.utils import JobPaths, pickle_load
+
+    out = []
+    for task in range(sub.ntasks):
+        path = JobPaths(sub.folder, job_id=sub.job_id, task_id=task).result_pickle
+        try:
+            out.append(pickle_load(path))
+        except (OSError, EOFError):
+            out.append(None)
+    return out
+
+
+def results_state(sub: Submitted) -> JobState:
+    outcomes = task_outcomes(sub)
+    if any(o is not None and o[0] == "error" for o in outcomes):
+        return JobState("FAILED", source="results")
+    if all(o is not None for o in outcomes):
+        return JobState("COMPLETED", "0:0", source="results")
+    return JobState("UNKNOWN", reason="Slurm no longer knows the job and it left no result", source="results")
+
+
+class LogFollower:
+    """Prints what a job appends to its log files, whole lines only."""
+
+    def __init__(self, files: list[tuple[Path, TextIO]], prefix: str = ""):
+        self.files = files
+        self.prefix = prefix
+        self.offsets = {path: 0 for path, _ in files}
+
+    def pump(self) -> None:
+        for path, stream in self.files:
+            try:
+                with path.open("rb") as f:
+                    f.seek(self.offsets[path])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            cut = data.rfind(b"\n") + 1
+            if cut:
+                self.offsets[path] += cut
+                for line in data[:cut].decode(errors="replace").splitlines():
+                    print(self.prefix + line, file=stream)
+                stream.flush()
+
+
+def wait_for(subs: list[Submitted], poll_s: float = 2.0) -> int:
+    """Follow the jobs to their end, streaming rank 0's log; 0 when every one completed, else 1."""
+    many = len(subs) > 1
+    followers = {}
+    for sub in subs:
+        log, err = rank0_logs(sub)
+        followers[sub.job_id] = LogFollower([(log, sys.stdout), (err, sys.stderr)],
+                                            f"[{sub.run.manifest.name}] " if many else "")
+    last: dict[str, JobState] = {}
+    remaining = list(subs)
+    while remaining:
+        for follower in followers.values():
+            follower.pump()
+        for sub in list(remaining):
+            st = job_state(sub)
+            before = last.get(sub.job_id)
+            if before is not None and st.restarts > before.restarts:
+                print(f"mantra: job {sub.job_id} was requeued (restart {st.restarts}); it resumes from its last "
+                      "committed checkpoint", file=sys.stderr)
+            if st.state == "PENDING" and st.reason not in ("", "None") and (before is None or before.reason != st.reason):
+                print(f"mantra: job {sub.job_id} pending ({st.reason})", file=sys.stderr)
+            last[sub.job_id] = st
+            if st.done:
+                remaining.remove(sub)
+        for follower in followers.values():
+            follower.pump()
+        if remaining:
+            time.sleep(poll_s)
+    return report(subs, last)
+
+
+def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
+    status = 0
+    for sub in subs:
+        st = states[sub.job_id]
+        name = sub.run.manifest.name
+        log, err = rank0_logs(sub)
+        outcomes = task_outcomes(sub)
+        if st.state == "COMPLETED" and all(o is not None and o[0] == "success" for o in outcomes):
+            values = [o[1] for o in outcomes]
+            loss = next((v.get("final_loss") for v in values if isinstance(v, dict) and v.get("final_loss") is not None), None)
+            steps = next((v.get("steps") for v in values if isinstance(v, dict) and v.get("steps") is not None), None)
+            tail = f", {steps} steps, final loss {loss:.4f}" if loss is not None and steps is not None else ""
+            print(f"job {sub.job_id} ({name}) completed: {len(values)} ranks{tail}; run dir {sub.run.run_dir}")
+            continue
+        status = 1
+        for task, outcome in enumerate(outcomes):
+            if task and outcome is not None and outcome[0] == "error":  # rank 0's traceback is in the log above
+                print(f"rank {task} of job {sub.job_id} failed:\n{outcome[1]}", file=sys.stderr)
+        reason = f", {st.reason}" if st.reason and st.reason != "None" else ""
+        print(f"error: job {sub.job_id} ({name}) ended {st.state} (exit {st.exit_code or '?'}{reason}); "
+              f"rank 0 log: {err}", file=sys.stderr)
+    return status
+
+
+# ---------------------------------------------------------------------------- inside the job
+
+def master_port(job_id: int, restarts: int) -> int:
+    """A port every task computes alike without talking: from the job id, and the restart count so a
+    requeued job never meets its predecessor's socket. 10000-32767 stays below Linux's ephemeral range;
+    two jobs collide only if they share a first node and their ids differ by a multiple of 1423."""
+    return 10000 + (job_id * 16 + restarts % 16) % 22768
+
+
+def rendezvous_env() -> dict[str, str]:
+    """torch's env:// variables for this Slurm task: rank and world from Slurm, the master at the
+    first host of the job's node list."""
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    job_id = int(os.environ["SLURM_JOB_ID"])  # unique per array element, unlike the array's id
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return {
+        "MASTER_ADDR": env.hostnames[0],
+        "MASTER_PORT": str(master_port(job_id, restarts)),
+        "RANK": str(env.global_rank),
+        "WORLD_SIZE": str(env.num_tasks),
+        "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
+    }
+
+
+@contextlib.contextmanager
+def held_signals(signals=(signal.SIGUSR1, signal.SIGTERM)):
+    """Hold a USR1/TERM that arrives before the trainer installs its handler (imports, rendezvous) and send
+    it again once that handler is in place. Without this, USR1's default action would kill the rank and
+    the job would not be requeued. Left installed afterwards: a late signal is then simply ignored."""
+    pending: set[int] = set()
+    ready = threading.Event()
+
+    def hold(signum, frame) -> None:
+        pending.add(signum)
+        ready.set()
+
+    def redeliver() -> None:
+        while True:
+            ready.wait()
+            time.sleep(0.1)
+            for signum in list(pending):
+                if signal.getsignal(signum) is not hold:
+                    pending.discard(signum)
+                    os.kill(os.getpid(), signum)
+            if not pending:
+                ready.clear()
+                if pending:
+                    ready.set()
+
+    for signum in signals:
+        signal.signal(signum, hold)
+    threading.Thread(target=redeliver, name="mantra-held-signals", daemon=True).start()
+    yield
+
+
+def run_task(manifest_path: str) -> dict:
+    """What every Slurm task runs (submitit pickles this call): rendezvous variables from Slurm, then
+    the rank entry point. A rank leaving to be requeued (exit 75 after a committed checkpoint) leaves a
+    marker for the batch script, which then runs `scontrol requeue`."""
+    os.environ.update(rendezvous_env())
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))  # as torchrun does
+    import logging
+
+    from launchers.rank import run_rank
+    from trainer.preempt import REQUEUE_EXIT_CODE
+
+    logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
+    with held_signals():
+        try:
+            result = run_rank(Path(manifest_path))
+        except SystemExit as exc:
+            if exc.code == REQUEUE_EXIT_CODE:
+                marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
+                marker.touch()
+            raise
+    out: dict = {"rank": int(os.environ["RANK"])}
+    if result is not None:  # run_rank returns train()'s TrainResult
+        out.update(steps=result.steps, final_loss=result.final_loss)
+    return out

@@ -1,0 +1,162 @@
+"""Checkpoints and faults on real ranks: exact resume, kill -9, half-written and corrupt saves, signals, resharding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, merge, read_jsonl, tiny_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+CKPT = {"checkpoint": {"every": 10, "keep": 2}, "train": {"steps": 40}}
+
+
+def write(tmp_path: Path, name: str, settings: dict) -> Path:
+    config = merge(tiny_config(name, tmp_path / name, steps=40), settings)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def start(path: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launchers.cli", "run", str(path), "--nproc", str(nproc), *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def mantra_run(path: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+    proc = start(path, nproc, *extra)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        if rows and rows[-1]["step"] >= step:
+            return
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} never logged")
+
+
+def last_per_step(run_dir: Path) -> dict[int, float]:
+    """A resumed run repeats the steps after its checkpoint: keep the last line of each step."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("nproc, parallel", [(2, {}), (2, {"tp": 2}), (2, {"optimizer_sharding": "zero3"})],
+                         ids=["dp2", "tp2", "zero3x2"])
+def test_killed_run_resumes_exactly(tmp_path, nproc, parallel):
+    straight = write(tmp_path, "straight", merge(CKPT, {"parallel": parallel}))
+    assert mantra_run(straight, nproc).returncode == 0
+    expected = last_per_step(tmp_path / "straight")
+
+    path = write(tmp_path, "killed", merge(CKPT, {"parallel": parallel}))
+    proc = start(path, nproc)
+    wait_for_step(tmp_path / "killed", 12, proc)
+    kill_group(proc)  # SIGKILL the launcher and every rank: no chance to save
+    assert (tmp_path / "killed/ckpt/latest").read_text().strip() in ("step-00000010", "step-00000020")
+    again = mantra_run(path, nproc)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got = last_per_step(tmp_path / "killed")
+    assert sorted(got) == list(range(1, 41))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6), step
+
+
+def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
+    path = write(tmp_path, "victim", CKPT | {"train": {"steps": 400}})
+    proc = start(path, 2)
+    wait_for_step(tmp_path / "victim", 12, proc)
+    ranks = subprocess.run(["pgrep", "-f", f"launchers.rank {tmp_path}/victim/manifest.yaml"], capture_output=True, text=True)
+    pids = [int(p) for p in ranks.stdout.split()]
+    assert len(pids) == 2, ranks.stdout
+    killed_at = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - killed_at < 30
+    assert proc.returncode != 0
+    assert "rank" in err.lower() and ("SIGKILL" in err or "Signal 9" in err or "exitcode" in err), err[-2000:]
+    for pid in pids:
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0, "a rank survived"
+    latest = (tmp_path / "victim/ckpt/latest").read_text().strip()
+    resumed = mantra_run(path, 2, "--set", "train.steps=400")
+    assert resumed.returncode == 0
+    rows = read_jsonl(tmp_path / "victim/metrics.jsonl")
+    first_after = [r["step"] for r in rows].index(int(latest[5:]) + 1, 12)  # the resumed run's first step
+    assert rows[first_after]["step"] == int(latest[5:]) + 1
+
+
+def test_half_written_and_corrupt_checkpoints_fall_back(tmp_path):
+    path = write(tmp_path, "run", {"checkpoint": {"every": 10, "keep": 3}, "train": {"steps": 30}})
+    assert mantra_run(path, 1).returncode == 0
+    ckpt = tmp_path / "run/ckpt"
+    expected = last_per_step(tmp_path / "run")
+    # a save killed half-way: a newer step directory without its commit marker
+    (ckpt / "step-00000040").mkdir()
+    (ckpt / "step-00000040" / "__0_0.distcp").write_bytes(b"partial")
+    # the newest committed one is corrupt
+    shard = next((ckpt / "step-00000030").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = mantra_run(path, 1, "--set", "train.steps=30")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step-00000040 has no COMMITTED marker" in proc.stderr
+    assert "step-00000030 cannot be loaded" in proc.stderr
+    assert f"{shard} is truncated" in proc.stderr  # the line names the file
+    rows = read_jsonl(tmp_path / "run/metrics.jsonl")
+    assert [r["step"] for r in rows][-10:] == list(range(21, 31))  # resumed from step 20
+    for r in rows[-10:]:
+        assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6)
+
+
+def test_sigusr1_saves_at_the_next_step_and_asks_for_requeue(tmp_path):
+    path = write(tmp_path, "sig", {"checkpoint": {"every": 1000}, "train": {"steps": 400}})
+    proc = start(path, 2)
+    wait_for_step(tmp_path / "sig", 5, proc)
+    ranks = subprocess.run(["pgrep", "-f", f"launchers.rank {tmp_path}/sig/manifest.yaml"], capture_output=True, text=True)
+    os.kill(int(ranks.stdout.split()[0]), signal.SIGUSR1)  # one rank is enough: they agree at the boundary
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    status = json.loads((tmp_path / "sig/status.json").read_text())
+    assert status["state"] == "requeue"
+    assert (tmp_path / "sig/ckpt/latest").read_text().strip() == f"step-{status['step']:08d}"
+    assert 5 <= status["step"] < 400
+
+
+@pytest.mark.parametrize("nproc, parallel", [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "optimizer_sharding": "zero3"})],
+                         ids=["one-rank", "tp2", "dp2-tp2-zero3"])
+def test_checkpoint_reshards_to_another_layout(tmp_path, nproc, parallel):
+    settings = {"checkpoint": {"every": 10}, "train": {"steps": 30}}
+    straight = write(tmp_path, "straight", settings)
+    assert mantra_run(straight, 1).returncode == 0
+    expected = last_per_step(tmp_path / "straight")
+
+    # zero3 on 4 ranks, killed after its step-10 checkpoint (same 30-step manifest, so the same LR schedule)
+    saved = write(tmp_path, "saved", merge(settings, {"parallel": {"optimizer_sharding": "zero3"}}))
+    proc = start(saved, 4)
+    wait_for_step(tmp_path / "saved", 11, proc)
+    kill_group(proc)
+    assert (tmp_path / "saved/ckpt/latest").read_text().strip() == "step-00000010"
+
+    target = write(tmp_path, "target", merge(settings, {"parallel": parallel, "checkpoint": {"resume_from": str(tmp_path / "saved/ckpt/step-00000010")}}))
+    proc = mantra_run(target, nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_per_step(tmp_path / "target")
+    assert sorted(got) == list(range(11, 31))
+    for step in range(11, 31):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step

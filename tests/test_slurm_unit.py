@@ -1,0 +1,165 @@
+"""`mantra submit` without a cluster: sweeps, the sbatch script, rendezvous variables, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from launchers.sbatch import BadRequest, container_mounts, parse_extra, sbatch_script, time_minutes
+from launchers.slurm import SlurmError, check_one_request, load_runs, master_port, rejection, rendezvous_env
+from launchers.sweep import parse_sweeps, split_values
+from trainer.manifest import ManifestError
+
+TINY_CPU = str(ROOT / "manifests/tiny-cpu.yaml")
+
+
+def runs_for(tmp_path: Path, *overrides: str, sweeps: tuple[str, ...] = ()):
+    runs, base, _ = load_runs([TINY_CPU], [f"logging.dir={tmp_path / 'run'}", *overrides], list(sweeps))
+    return runs, base
+
+
+def test_sweep_values_split_on_top_level_commas_only():
+    assert split_values("1,2") == ["1", "2"]
+    assert split_values("[0.9,0.95],[0.8,0.9]") == ["[0.9,0.95]", "[0.8,0.9]"]
+    assert split_values("'a,b',c") == ["'a,b'", "c"]
+
+
+def test_sweeps_are_a_product_named_after_what_differs():
+    points = parse_sweeps(["train.seed=0,1", "optimizer.lr=1.0e-3,2.0e-3"])
+    assert [p.suffix for p in points] == ["-seed0-lr1.0e-3", "-seed0-lr2.0e-3", "-seed1-lr1.0e-3", "-seed1-lr2.0e-3"]
+    assert points[1].overrides == ("train.seed=0", "optimizer.lr=2.0e-3")
+    assert parse_sweeps([])[0].overrides == ()
+
+
+@pytest.mark.parametrize("bad", ["train.seed", "train.seed=1", "train.seed=1,1", "=1,2", "train.seed=1,"])
+def test_bad_sweeps_are_manifest_errors(bad):
+    with pytest.raises(ManifestError) as info:
+        parse_sweeps([bad])
+    assert info.value.diagnostics[0].render().startswith(f"--sweep {bad}: error:")
+
+
+def test_each_sweep_point_gets_its_own_run_and_checkpoint_dir(tmp_path):
+    runs, base = runs_for(tmp_path, f"checkpoint.dir={tmp_path / 'ck'}", sweeps=("train.seed=1,2",))
+    assert [r.manifest.name for r in runs] == ["tiny-cpu-seed1", "tiny-cpu-seed2"]
+    assert [r.manifest.train.seed for r in runs] == [1, 2]
+    assert [r.run_dir for r in runs] == [tmp_path / "run-seed1", tmp_path / "run-seed2"]
+    assert [r.checkpoint_dir for r in runs] == [tmp_path / "ck-seed1", tmp_path / "ck-seed2"]
+    assert base == tmp_path / "run"
+    assert all(r.manifest.launcher.kind.value == "slurm" for r in runs)  # submit implies slurm
+
+
+def test_a_bad_sweep_value_is_reported_before_anything_is_submitted(tmp_path):
+    with pytest.raises(ManifestError) as info:
+        runs_for(tmp_path, sweeps=("train.steps=10,-1",))
+    assert any("train.steps" in d.render() for d in info.value.diagnostics)
+
+
+def test_a_job_array_needs_one_request(tmp_path):
+    runs, _ = runs_for(tmp_path, sweeps=("launcher.slurm.time=01:00:00,02:00:00",))
+    with pytest.raises(SlurmError) as info:
+        check_one_request(runs)
+    assert info.value.exit_code == 2 and "launcher.slurm.time" in str(info.value)
+
+
+@pytest.mark.parametrize("text, minutes", [("90", 90), ("01:00:00", 60), ("00:00:45", 1), ("1-00:00:00", 1440),
+                                           ("2-3", 3060), ("1:30", 2), ("04:00:00", 240)])
+def test_slurm_time_in_minutes(text, minutes):
+    assert time_minutes(text) == minutes
+
+
+def test_extra_directives():
+    assert parse_extra(("--reservation=big", "#SBATCH --mail-type=END", "--exclusive")) == {
+        "reservation": "big", "mail-type": "END", "exclusive": True}
+    with pytest.raises(BadRequest):
+        parse_extra(("reservation big",))
+
+
+def test_script_one_task_per_gpu_signal_and_requeue(tmp_path):
+    runs, _ = runs_for(tmp_path, "launcher.slurm.nodes=2", "launcher.slurm.gpus_per_node=4", "train.global_batch=64",
+                       "launcher.slurm.partition=gpu", "launcher.slurm.signal_grace_s=300", "launcher.slurm.mem=64G",
+                       "launcher.slurm.time=1-00:00:00", "launcher.slurm.setup=[module load cuda]",
+                       "launcher.slurm.extra=[--reservation=big]")
+    script = sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=True)
+    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --mem=64G",
+                 "#SBATCH --time=1-00:00:00", "#SBATCH --reservation=big", f"#SBATCH --chdir={tmp_path}",
+                 "module load cuda", "trap 'exit 143' TERM", 'scontrol requeue "$SLURM_JOB_ID"']:
+        assert line in script.splitlines() or line in script, line
+    assert "USR2" not in script  # submitit's own preemption signal is replaced
+    assert script.index("module load cuda") < script.index("srun ") < script.index("scontrol requeue")
+    assert "--kill-on-bad-exit=1" in script and "submitit.core._submit" in script
+
+
+def test_cpu_partition_asks_for_no_gpus(tmp_path):
+    runs, _ = runs_for(tmp_path, "launcher.slurm.gpus_per_node=2")
+    script = sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=False)
+    assert "#SBATCH --ntasks-per-node=2" in script and "gpus" not in script
+
+
+def test_array_script_and_container(tmp_path):
+    runs, _ = runs_for(tmp_path, "launcher.slurm.container_image=/images/mantra.sqsh", sweeps=("train.seed=1,2",))
+    script = sbatch_script(runs, tmp_path / "run" / "slurm" / "x", tmp_path, gpus=True)
+    assert "#SBATCH --array=0-1%2" in script
+    assert "--container-image=/images/mantra.sqsh" in script and " python -u -m submitit" in script
+    assert container_mounts([tmp_path, tmp_path / "a", Path("/other")]) == f"/other:/other,{tmp_path}:{tmp_path}"
+
+
+def test_master_port_is_deterministic_below_the_ephemeral_range():
+    ports = {master_port(job, restart) for job in range(1, 2000) for restart in range(3)}
+    assert all(10000 <= p < 32768 for p in ports)
+    assert master_port(17, 0) == master_port(17, 0) != master_port(17, 1) != master_port(18, 0)
+
+
+def test_rendezvous_from_the_slurm_environment(monkeypatch):
+    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NODEID": "1", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    got = rendezvous_env()
+    assert got == {"MASTER_ADDR": "gpu07", "MASTER_PORT": str(master_port(4242, 0)), "RANK": "5", "WORLD_SIZE": "8",
+                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+def test_sbatch_refusals_become_one_line_naming_the_key(tmp_path):
+    runs, _ = runs_for(tmp_path, "launcher.slurm.partition=nope")
+    stderr = ("sbatch: error: invalid partition specified: nope\n"
+              "sbatch: error: Batch job submission failed: Invalid partition name specified")
+    line = rejection(stderr, runs)
+    assert line == ("sbatch rejected the job: invalid partition name specified "
+                    "(launcher.slurm.partition is nope; `sinfo -s` lists the partitions)")
+    assert "\n" not in rejection("sbatch: error: Invalid generic resource (gres) specification", runs)
+
+
+def mantra_without_slurm(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=str(Path(sys.executable).parent))  # python, but no sbatch/srun/scontrol
+    return subprocess.run([sys.executable, "-m", "launchers.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_no_slurm_is_one_clear_line(tmp_path):
+    proc = mantra_without_slurm("submit", TINY_CPU, "--set", f"logging.dir={tmp_path / 'r'}")
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if "warning:" not in line]
+    assert lines == ["error: no Slurm on this machine (sbatch, srun, scontrol not on PATH); "
+                     "submit from a Slurm login node, or train here with `mantra run`"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_manifest_never_reaches_slurm(tmp_path):
+    proc = mantra_without_slurm("submit", TINY_CPU, "--set", "model.heads=7", "--set", f"logging.dir={tmp_path / 'r'}")
+    assert proc.returncode == 2 and "model.kv_heads" in proc.stderr and "Slurm" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dry_run_prints_the_script_without_slurm(tmp_path):
+    proc = mantra_without_slurm("dry-run", TINY_CPU, "--set", "launcher.kind=slurm",
+                                "--set", "launcher.slurm.gpus_per_node=2", "--set", f"logging.dir={tmp_path / 'r'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --ntasks-per-node=2" in proc.stdout and "#SBATCH --signal=USR1@120" in proc.stdout
+    assert not (tmp_path / "r").exists()
