@@ -85,10 +85,15 @@ class Checkpointer:
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
+        self._pending = None  # (future, step, directory, start time) of a background save
+        self._async_group = None
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "") -> Path:
+    def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "", asynchronous: bool = False) -> Path:
+        """Write step `step`. Synchronous: returns once committed. Asynchronous: returns once the state is
+        staged in host memory; the files are written in the background and committed by `poll`/`wait`."""
+        self.wait()  # one save in flight at a time; the previous one commits first
         target = step_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -96,22 +101,52 @@ class Checkpointer:
                 shutil.rmtree(target)
         _barrier()
         start = time.perf_counter()
-        dcp.save(sync.state_dict(model), checkpoint_id=str(target))
+        target.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), target / f"rng-rank{self.rank}.pt")
         if self.rank == 0:
             torch.save({"step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
                         "world_size": self.world_size}, target / "trainer.pt")
             (target / MANIFEST).write_text(manifest_text)
+        if asynchronous:
+            # DCP's coordinator finishes only after every rank's shards are written, so when rank 0's
+            # future is done the whole step is on disk; a separate gloo group keeps the background
+            # thread's collectives apart from training's.
+            if self._async_group is None and dist.is_initialized():
+                self._async_group = dist.new_group(backend="gloo")
+            future = dcp.async_save(sync.state_dict(model), checkpoint_id=str(target), process_group=self._async_group)
+            self._pending = (future, step, target, start)
+            log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
+            return target
+        dcp.save(sync.state_dict(model), checkpoint_id=str(target))
         _barrier()  # every rank's shards are on disk before the commit
-        if self.rank == 0:
-            (target / COMMITTED).write_text(f"step {step}\n")
-            tmp = self.root / f".{LATEST}.tmp"
-            tmp.write_text(target.name + "\n")
-            os.replace(tmp, self.root / LATEST)
-            self._prune(step)
+        self._commit(step, target)
         _barrier()
         log.info("checkpoint step %d saved to %s in %.2f s", step, target, time.perf_counter() - start)
         return target
+
+    def poll(self) -> None:
+        """Commit a background save that has finished (cheap; call it at step boundaries)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written, then commit it."""
+        if self._pending is None:
+            return
+        future, step, target, start = self._pending
+        self._pending = None
+        future.result()  # re-raises a failed write on this rank
+        self._commit(step, target)
+        log.info("checkpoint step %d written to %s %.2f s after it started", step, target, time.perf_counter() - start)
+
+    def _commit(self, step: int, target: Path) -> None:
+        if self.rank != 0:
+            return
+        (target / COMMITTED).write_text(f"step {step}\n")
+        tmp = self.root / f".{LATEST}.tmp"
+        tmp.write_text(target.name + "\n")
+        os.replace(tmp, self.root / LATEST)
+        self._prune(step)
 
     def _prune(self, newest: int) -> None:
         for old in committed_steps(self.root)[self.keep:]:

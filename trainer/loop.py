@@ -151,12 +151,15 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                 every = m.checkpoint.every
                 saved = bool(every) and (step % every == 0 or step == m.train.steps)
                 if saved:
-                    ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
+                    ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)
+                ckpt.poll()
                 if step < m.train.steps and preempt.agreed(device=device):
                     if not saved:
                         ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
+                    ckpt.wait()
                     status.write("requeue", step)
                     raise RequeueRequested(step)
+            ckpt.wait()
     except RequeueRequested:
         raise
     except BaseException as exc:

@@ -189,6 +189,7 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="default: <run dir>/ckpt")
     every: NonNegativeInt = Field(0, description="save every N steps; 0 never")
     keep: PositiveInt = Field(3, description="committed checkpoints to keep")
+    async_save: bool = Field(False, description="write checkpoints in the background; training waits only for staging")
     resume_from: str | None = Field(
         None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
     )
