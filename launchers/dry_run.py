@@ -71,6 +71,8 @@ def rank_rows(run: Resolved) -> list[RankRow]:
 
 
 def command_for(run: Resolved) -> list[str]:
+    if run.manifest.launcher.kind.value == "slurm":
+        return ["mantra", "submit", run.source]
     if run.world_size == 1:
         return ["mantra", "run", run.source, "(in-process, one rank)"]
     return torchrun_command(run, run.run_dir / "manifest.yaml")

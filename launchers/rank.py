@@ -38,13 +38,14 @@ def setup_logging(info: RankInfo, run_dir: Path) -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
-def run_rank(manifest_path: Path) -> None:
+def run_rank(manifest_path: Path):
+    """Train this rank; returns trainer.loop.TrainResult (steps, final loss, run dir)."""
     from trainer.loop import train
 
     run, _ = load_manifest(manifest_path)
     info = RankInfo.from_env()
     setup_logging(info, run.run_dir)
-    train(run, info)
+    return train(run, info)
 
 
 @record

@@ -1,27 +1,31 @@
-"""From a resolved manifest to the sbatch script: what `mantra submit` sends, and `mantra dry-run` prints.
-
-Pure: nothing here talks to Slurm. The script is submitit's (SlurmExecutor), with:
+"""The Slurm job itself: the sbatch script `mantra submit` sends (and `mantra dry-run` prints), and
+`run_task`, what each of its tasks runs. Nothing here calls Slurm; the script is submitit's
+(SlurmExecutor), with:
 
 - one task per GPU: `--nodes` = launcher.slurm.nodes, `--ntasks-per-node` = gpus_per_node, and
   `--gpus-per-node` = gpus_per_node where the partition has GPUs. On a CPU-only partition (no GPU
   gres) the same manifest asks for no GPUs and gpus_per_node is simply the tasks per node;
 - `--signal=USR1@<signal_grace_s>`: Slurm warns every task that long before the time limit. The
   trainer's handler (trainer/preempt.py) saves a committed checkpoint at the next step boundary on
-  all ranks together, each rank leaves a requeue marker and exits 75, and the batch script, still
-  alive, runs `scontrol requeue`; the next allocation resumes from the checkpoint. submitit's own
-  USR2 handler is not used: it checkpoints from task 0 alone, and we need every rank to save.
+  all ranks together and exits 75; `run_task` then leaves a requeue marker, and the batch script,
+  still alive, runs `scontrol requeue`; the next allocation resumes from the checkpoint. submitit's
+  own USR2 handler is not used: it checkpoints from task 0 alone, and every rank must save;
 - a batch shell that exits at SIGTERM (`trap 'exit 143' TERM`): Slurm sends SIGTERM when it cancels,
   preempts or itself requeues the job, and then Slurm alone decides what comes next (a `scancel`
-  must never come back as a requeue);
+  must never come back as a requeue; the ranks still save on the SIGTERM if the step ends in time);
 - `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
 - `--requeue`, `--chdir` = the directory `mantra submit` ran in (relative manifest paths hold),
   setup lines before srun, and a pyxis/enroot container when launcher.slurm.container_image is set.
 """
-
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from trainer.manifest import Resolved
@@ -148,3 +152,87 @@ def sbatch_script(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool) -> 
     if len(runs) > 1:
         params["map_count"] = len(runs)
     return _make_sbatch_string(command=task_command(python_for(runs[0]), folder), folder=folder, **params)
+
+
+# ---------------------------------------------------------------------------- what every task runs
+
+def master_port(job_id: int, restarts: int) -> int:
+    """A port every task computes alike without talking: from the job id, and the restart count so a
+    requeued job never meets its predecessor's socket. 10000-32767 stays below Linux's ephemeral range;
+    two jobs collide only if they share a first node and their ids differ by a multiple of 1423."""
+    return 10000 + (job_id * 16 + restarts % 16) % 22768
+
+
+def rendezvous_env() -> dict[str, str]:
+    """torch's env:// variables for this Slurm task: rank and world from Slurm, the master at the
+    first host of the job's node list."""
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    job_id = int(os.environ["SLURM_JOB_ID"])  # unique per array element, unlike the array's id
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return {
+        "MASTER_ADDR": env.hostnames[0],
+        "MASTER_PORT": str(master_port(job_id, restarts)),
+        "RANK": str(env.global_rank),
+        "WORLD_SIZE": str(env.num_tasks),
+        "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
+    }
+
+
+@contextlib.contextmanager
+def held_signals(signals=(signal.SIGUSR1, signal.SIGTERM)):
+    """Hold a USR1/TERM that arrives before the trainer installs its handler (imports, rendezvous) and send
+    it again once that handler is in place. Without this, USR1's default action would kill the rank and
+    the job would not be requeued. Left installed afterwards: a late signal is then simply ignored."""
+    pending: set[int] = set()
+    ready = threading.Event()
+
+    def hold(signum, frame) -> None:
+        pending.add(signum)
+        ready.set()
+
+    def redeliver() -> None:
+        while True:
+            ready.wait()
+            time.sleep(0.1)
+            for signum in list(pending):
+                if signal.getsignal(signum) is not hold:
+                    pending.discard(signum)
+                    os.kill(os.getpid(), signum)
+            if not pending:
+                ready.clear()
+                if pending:
+                    ready.set()
+
+    for signum in signals:
+        signal.signal(signum, hold)
+    threading.Thread(target=redeliver, name="mantra-held-signals", daemon=True).start()
+    yield
+
+
+def run_task(manifest_path: str) -> dict:
+    """What every Slurm task runs (submitit pickles this call): rendezvous variables from Slurm, then
+    the rank entry point. A rank leaving to be requeued (exit 75 after a committed checkpoint) leaves a
+    marker for the batch script, which then runs `scontrol requeue`."""
+    os.environ.update(rendezvous_env())
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))  # as torchrun does
+    import logging
+
+    from launchers.rank import run_rank
+    from trainer.preempt import REQUEUE_EXIT_CODE
+
+    logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
+    with held_signals():
+        try:
+            result = run_rank(Path(manifest_path))
+        except SystemExit as exc:
+            if exc.code == REQUEUE_EXIT_CODE:
+                marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
+                marker.touch()
+            raise
+    out: dict = {"rank": int(os.environ["RANK"])}
+    if result is not None:  # run_rank returns train()'s TrainResult
+        out.update(steps=result.steps, final_loss=result.final_loss)
+    return out

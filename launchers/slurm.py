@@ -12,7 +12,7 @@ Job state never depends on sacct alone: slurmctld is asked first (`scontrol show
 knows a finished job for MinJobAge seconds), then accounting if the cluster has it, then the
 job's own result files that submitit writes per task. submitit's `job.result()` (sacct only,
 and it waits forever for a job that died before writing its result) is never called.
-Requeue and preemption: see launchers/sbatch.py.
+What runs inside the job (the script, each task, requeue and preemption): launchers/sbatch.py.
 """
 
 from __future__ import annotations
@@ -20,21 +20,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from launchers.sbatch import REQUEUE_MARKER, BadRequest, python_for, sbatch_parameters, sbatch_script
+from launchers.sbatch import BadRequest, python_for, run_task, sbatch_parameters, sbatch_script
 from launchers.sweep import parse_sweeps
 from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
 
@@ -61,7 +58,8 @@ def require_slurm() -> None:
 
 
 def partition_has_gpus(partition: str | None) -> bool:
-    """Whether the partition's nodes declare GPUs (gres); True when Slurm cannot tell (e.g. no sinfo here)."""
+    """Whether the partition's nodes declare GPUs (gres). True when Slurm cannot tell (sinfo missing or
+    failing); False for a partition sinfo does not list, so that sbatch names the partition as the problem."""
     try:
         proc = subprocess.run(["sinfo", "-a", "-h", "-o", "%P|%G"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -199,7 +197,7 @@ def submit(runs: list[Resolved], base_dir: Path) -> list[Submitted]:
         params = sbatch_parameters(runs, folder, cwd, gpus=partition_has_gpus(runs[0].manifest.launcher.slurm.partition))
     except BadRequest as exc:
         raise SlurmError(str(exc), 2) from None
-    created = [r.run_dir for r in runs if not r.run_dir.exists()]
+    created = [d for d in {base_dir, *(r.run_dir for r in runs)} if not d.exists()]
     paths = [str(write_resolved(r).resolve()) for r in runs]
     executor = submitit.SlurmExecutor(folder=folder, python=python_for(runs[0]))
     executor.update_parameters(**params)
@@ -223,17 +221,24 @@ def rank0_logs(sub: Submitted) -> tuple[Path, Path]:
 
 
 def describe(subs: list[Submitted], out: TextIO) -> None:
+    """What was submitted: job ids, the run (= tracking run) names, run directories and rank 0's logs."""
     first = subs[0]
-    s = first.run.manifest.launcher.slurm
-    what = f"job array {first.job_id.split('_')[0]} ({len(subs)} runs)" if len(subs) > 1 else f"job {first.job_id}"
+    m = first.run.manifest
+    s = m.launcher.slurm
+    job = first.job_id.split("_")[0]
+    what = f"job array {job} ({len(subs)} runs)" if len(subs) > 1 else f"job {job}"
     print(f"submitted {what}: {s.nodes} node(s) x {s.gpus_per_node} task(s), partition {s.partition or '(default)'}, "
           f"time {s.time}", file=out)
     for sub in subs:
         log, _ = rank0_logs(sub)
-        name = sub.run.manifest.name
-        print(f"  {sub.job_id:>8}  run {name}  dir {sub.run.run_dir}  log {log} (.err beside it)", file=out)
-    print(f"  script {first.folder}; follow with `squeue -j {first.job_id.split('_')[0]}`, "
-          f"cancel with `scancel {first.job_id.split('_')[0]}`", file=out)
+        print(f"  {sub.job_id:>8}  run {sub.run.manifest.name}  dir {sub.run.run_dir}  log {log} (.err beside it)", file=out)
+    sinks = {k.value for k in m.logging.sinks}
+    tracking = [f"wandb project {m.logging.wandb.project} ({m.logging.wandb.mode.value})"] if "wandb" in sinks else []
+    tracking += ["tensorboard in each run dir"] if "tensorboard" in sinks else []
+    tracking += ["metrics.jsonl in each run dir"] if "jsonl" in sinks else []
+    print(f"  tracking runs are named as above: {', '.join(tracking) or 'console only'}", file=out)
+    print(f"  follow: `squeue -j {job}` (or submit with --wait); cancel: `scancel {job}`; script and logs: {first.folder}",
+          file=out)
 
 
 def submit_manifests(manifests: list[str], overrides: list[str], sweeps: list[str], wait: bool) -> int:
@@ -404,87 +409,3 @@ def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
         print(f"error: job {sub.job_id} ({name}) ended {st.state} (exit {st.exit_code or '?'}{reason}); "
               f"rank 0 log: {err}", file=sys.stderr)
     return status
-
-
-# ---------------------------------------------------------------------------- inside the job
-
-def master_port(job_id: int, restarts: int) -> int:
-    """A port every task computes alike without talking: from the job id, and the restart count so a
-    requeued job never meets its predecessor's socket. 10000-32767 stays below Linux's ephemeral range;
-    two jobs collide only if they share a first node and their ids differ by a multiple of 1423."""
-    return 10000 + (job_id * 16 + restarts % 16) % 22768
-
-
-def rendezvous_env() -> dict[str, str]:
-    """torch's env:// variables for this Slurm task: rank and world from Slurm, the master at the
-    first host of the job's node list."""
-    from submitit import JobEnvironment
-
-    env = JobEnvironment()
-    job_id = int(os.environ["SLURM_JOB_ID"])  # unique per array element, unlike the array's id
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    return {
-        "MASTER_ADDR": env.hostnames[0],
-        "MASTER_PORT": str(master_port(job_id, restarts)),
-        "RANK": str(env.global_rank),
-        "WORLD_SIZE": str(env.num_tasks),
-        "LOCAL_RANK": str(env.local_rank),
-        "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
-    }
-
-
-@contextlib.contextmanager
-def held_signals(signals=(signal.SIGUSR1, signal.SIGTERM)):
-    """Hold a USR1/TERM that arrives before the trainer installs its handler (imports, rendezvous) and send
-    it again once that handler is in place. Without this, USR1's default action would kill the rank and
-    the job would not be requeued. Left installed afterwards: a late signal is then simply ignored."""
-    pending: set[int] = set()
-    ready = threading.Event()
-
-    def hold(signum, frame) -> None:
-        pending.add(signum)
-        ready.set()
-
-    def redeliver() -> None:
-        while True:
-            ready.wait()
-            time.sleep(0.1)
-            for signum in list(pending):
-                if signal.getsignal(signum) is not hold:
-                    pending.discard(signum)
-                    os.kill(os.getpid(), signum)
-            if not pending:
-                ready.clear()
-                if pending:
-                    ready.set()
-
-    for signum in signals:
-        signal.signal(signum, hold)
-    threading.Thread(target=redeliver, name="mantra-held-signals", daemon=True).start()
-    yield
-
-
-def run_task(manifest_path: str) -> dict:
-    """What every Slurm task runs (submitit pickles this call): rendezvous variables from Slurm, then
-    the rank entry point. A rank leaving to be requeued (exit 75 after a committed checkpoint) leaves a
-    marker for the batch script, which then runs `scontrol requeue`."""
-    os.environ.update(rendezvous_env())
-    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))  # as torchrun does
-    import logging
-
-    from launchers.rank import run_rank
-    from trainer.preempt import REQUEUE_EXIT_CODE
-
-    logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
-    with held_signals():
-        try:
-            result = run_rank(Path(manifest_path))
-        except SystemExit as exc:
-            if exc.code == REQUEUE_EXIT_CODE:
-                marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
-                marker.touch()
-            raise
-    out: dict = {"rank": int(os.environ["RANK"])}
-    if result is not None:  # run_rank returns train()'s TrainResult
-        out.update(steps=result.steps, final_loss=result.final_loss)
-    return out

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT, mantra, read_jsonl
 
-SUBCOMMANDS = ["validate", "run", "dry-run", "schema", "models", "tokenize"]
+SUBCOMMANDS = ["validate", "run", "dry-run", "schema", "models", "tokenize", "export", "submit"]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)

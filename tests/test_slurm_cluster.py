@@ -119,14 +119,19 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, jobs, tmp_path):
     the next allocation resumes from the committed checkpoint, and the run ends where an
     uninterrupted one does."""
     steps, run_dir = 16, tmp_path / "slurm"
-    settings = ["--set", f"train.steps={steps}", "--set", "checkpoint.every=4"]
+    # zero3 (FSDP2): the plain data-parallel sync (BucketSync) cannot save a checkpoint yet
+    settings = ["--set", f"train.steps={steps}", "--set", "checkpoint.every=4", "--set", "parallel.optimizer_sharding=zero3"]
     proc = mantra("submit", TINY_CPU, *TWO_TASKS, *settings, "--set", f"logging.dir={run_dir}")
     jobs += job_ids(proc.stdout)
     assert proc.returncode == 0 and len(jobs) == 1, proc.stderr
     job = jobs[0]
 
     def logged(step: int):
+        assert scontrol(job).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), scontrol(job)
         return (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= step
+
+    def node_idle():  # the previous allocation has fully ended
+        return subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.strip() == "idle"
 
     def requeued(n: int):
         info = scontrol(job)
@@ -139,7 +144,11 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, jobs, tmp_path):
         wait_until(lambda: requeued(restart), 120, f"requeue {restart}")
         status = (run_dir / "status.json").read_text()
         assert '"requeue"' in status, status  # the ranks saved on the signal, not merely died
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)  # skip the ~120 s hold
+        # Skip Slurm's ~120 s hold of a requeued job, but not too soon: a start within the second the old
+        # allocation's credential was revoked fails ("Job credential revoked"), which is what the hold avoids.
+        wait_until(node_idle, 60, "the old allocation to end")
+        time.sleep(2)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
     wait_until(lambda: scontrol(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the end")
     info = scontrol(job)
@@ -155,6 +164,27 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, jobs, tmp_path):
     got, want = losses(run_dir), losses(tmp_path / "straight")
     assert sorted(got) == list(range(1, steps + 1))
     assert got[steps] == pytest.approx(want[steps], rel=1e-5, abs=1e-6)
+
+
+def test_scancel_ends_the_job_and_wait_says_so(slurm, jobs, tmp_path):
+    """A cancelled job is not requeued (its ranks may still save on the SIGTERM), and --wait exits 1."""
+    run_dir = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "submit", TINY_CPU, *TWO_TASKS,
+                             "--set", "train.steps=200", "--set", "checkpoint.every=50", "--set", f"logging.dir={run_dir}",
+                             "--wait"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").exists() or proc.poll() is not None, 240, "first step")
+        job = next((run_dir / "slurm").glob("*/*_submission.sh")).name.split("_")[0]
+        jobs.append(job)
+        subprocess.run(["scancel", job], check=True)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert f"error: job {job} (tiny-cpu) ended CANCELLED" in err
+    time.sleep(3)
+    info = scontrol(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
 
 
 def test_sweep_is_one_array_of_finished_runs(slurm, jobs, tmp_path):

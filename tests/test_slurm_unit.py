@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from launchers.sbatch import BadRequest, container_mounts, parse_extra, sbatch_script, time_minutes
-from launchers.slurm import SlurmError, check_one_request, load_runs, master_port, rejection, rendezvous_env
+from launchers.sbatch import (BadRequest, container_mounts, master_port, parse_extra, rendezvous_env, sbatch_script,
+                              time_minutes)
+from launchers.slurm import SlurmError, check_one_request, load_runs, rejection
 from launchers.sweep import parse_sweeps, split_values
 from trainer.manifest import ManifestError
 
@@ -163,3 +164,31 @@ def test_dry_run_prints_the_script_without_slurm(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --ntasks-per-node=2" in proc.stdout and "#SBATCH --signal=USR1@120" in proc.stdout
     assert not (tmp_path / "r").exists()
+
+
+def test_two_manifests_may_not_share_a_run_dir(tmp_path):
+    runs, _, _ = load_runs([TINY_CPU, TINY_CPU], [f"logging.dir={tmp_path / 'same'}"], [])
+    with pytest.raises(SlurmError) as info:
+        check_one_request(runs)
+    assert info.value.exit_code == 2 and "share the run directory" in str(info.value)
+
+
+HELD = """
+import os, signal, sys, time
+from launchers.sbatch import held_signals
+got = []
+with held_signals():
+    os.kill(os.getpid(), signal.SIGUSR1)   # arrives before the trainer's handler exists
+    time.sleep(0.3)
+    signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))  # the trainer installs its handler
+    deadline = time.time() + 5
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+print("delivered" if got == [signal.SIGUSR1] else f"lost {got}")
+"""
+
+
+def test_an_early_usr1_is_held_then_delivered_to_the_trainer():
+    """USR1 during imports would kill the rank (its default action) and lose the requeue."""
+    proc = subprocess.run([sys.executable, "-c", HELD], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "delivered", proc.stdout + proc.stderr
