@@ -31,6 +31,29 @@ def full_parameters(model) -> dict:
     return out
 
 
+def merge_ranks(params: dict, out: Path) -> dict:
+    """Union of every rank's {fqn: tensor}: with pp each rank holds only its stages' parameters;
+    replicas (dp, tp after full_tensor) agree and the lowest rank's copy is kept. Through files next
+    to `out` (gloo's all-gather can abort a process at exit; see trainer/parallel/zero.py)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return params
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(params, out.with_name(f"{out.name}.part{rank}"))
+    dist.barrier()
+    merged: dict = {}
+    if rank == 0:
+        for r in range(world):
+            part = out.with_name(f"{out.name}.part{r}")
+            for name, tensor in torch.load(part, weights_only=True).items():
+                merged.setdefault(name, tensor)
+            part.unlink()
+    dist.barrier()
+    return merged
+
+
 def main() -> None:
     import torch
 
@@ -41,8 +64,9 @@ def main() -> None:
     run, _ = load_manifest(manifest)
 
     def save(model, sync) -> None:
-        gather = getattr(sync, "full_parameters", None)  # pipeline stages gather across ranks themselves
+        gather = getattr(sync, "full_parameters", None)
         params = gather(model) if gather is not None else full_parameters(model)
+        params = merge_ranks(params, out)  # pipeline ranks each hold their own stages
         if int(os.environ.get("RANK", 0)) == 0:
             torch.save(params, out)
 

@@ -17,13 +17,16 @@ from trainer.manifest.schema import LoggingSection, Sink, WandbSection
 ALL_SINKS = (Sink.console, Sink.jsonl, Sink.tensorboard, Sink.wandb)
 
 
-def fake_steps(n: int = 3, mfu: bool = True) -> list[dict[str, Any]]:
-    """n steps of plausible metrics; mfu None on the first step when mfu=False."""
+def fake_steps(n: int = 3, mfu: bool = True, pipeline: bool = True) -> list[dict[str, Any]]:
+    """n steps of plausible metrics; mfu None on the first step when mfu=False; busy_s, idle_s and
+    bubble None (a run without pipeline parallelism) when pipeline=False."""
     return [
         {
             "step": 10 * (i + 1), "loss": 3.1416 - 0.5 * i, "grad_norm": 0.812 + 0.1 * i, "lr": 3e-4 * (i + 1),
             "tokens_per_s": 12345.0 + i, "step_time_s": 0.21 + 0.01 * i,
             "mfu": (0.4 + 0.01 * i) if mfu or i else None, "peak_mem_bytes": (1 << 30) + i * 4096,
+            "busy_s": 0.15 + 0.01 * i if pipeline else None, "idle_s": 0.05 if pipeline else None,
+            "bubble": 0.05 / (0.2 + 0.01 * i) if pipeline else None,
         }
         for i in range(n)
     ]
@@ -159,30 +162,33 @@ def test_every_sink_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert json.loads(summary.read_text())["train/loss"] == pytest.approx(steps[-1]["loss"])
 
     out = capsys.readouterr().out
-    assert out.count("step ") == 3 and "loss 3.1416" in out and "\x1b" not in out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 3 and "loss 3.1416" in out and "\x1b" not in out
     # wandb stayed inside the run dir: nothing in the cwd, nothing new in the user's wandb homes
     assert {p.name for p in tmp_path.iterdir()} == {"run"} and user_wandb_files() == home_before
     assert all(p.resolve().is_relative_to(run) for p in (run / "wandb").rglob("*"))
 
 
 def test_console_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    m = fake_steps(1, mfu=False)[0] | {"step": 20}
+    m = fake_steps(1, mfu=False, pipeline=False)[0] | {"step": 20}
     with build(tmp_path, (Sink.console,)) as sinks:
         sinks.advance(1, 3.0)  # no terminal under pytest: no bar, nothing printed
         sinks.log(m)
         sinks.log(m | {"mfu": 0.4134})
-    first, second = capsys.readouterr().out.splitlines()
+        sinks.log(m | {"busy_s": 0.3, "idle_s": 0.1, "bubble": 0.25})
+    first, second, third = capsys.readouterr().out.splitlines()
     assert first == ("step 20/30 | loss 3.1416 | grad_norm 0.812 | lr 3.00e-04 | 12,345 tok/s | "
                      "mfu n/a (cpu) | mem 1.00 GiB | 0.210 s/step")
-    assert "mfu 41.3%" in second
+    assert "mfu 41.3%" in second and "bubble" not in second
+    assert third.endswith("| bubble 25.0% (busy 0.300 s, idle 0.100 s)")
     assert not (tmp_path / "run").exists()  # the console writes no files
 
 
 def test_jsonl_writes_null_mfu_and_flushes(tmp_path: Path) -> None:
     sinks = build(tmp_path, (Sink.jsonl,))
-    sinks.log(fake_steps(1, mfu=False)[0])
+    sinks.log(fake_steps(1, mfu=False, pipeline=False)[0])
     text = (tmp_path / "run" / "metrics.jsonl").read_text()  # readable before close: flushed
     assert '"mfu": null' in text and json.loads(text)["mfu"] is None
+    assert '"bubble": null' in text and json.loads(text)["busy_s"] is None  # no pipeline: not measured
     sinks.close()
     sinks.close()  # idempotent
 

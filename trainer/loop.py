@@ -1,8 +1,8 @@
 """The training step and loop, readable in one sitting.
 
     rank: init process group ─> mesh ─> model on meta ─> materialize + seeded init
-          ─> parallelize (the model's own function) ─> optimizer + LR schedule
-          ─> loop: data -> forward/backward per microbatch -> clip -> step -> metrics
+          ─> parallelize (the model's own function; pp: only this rank's stages) ─> optimizer + LR schedule
+          ─> loop: data -> forward/backward per microbatch (pp: the pipeline schedule) -> clip -> step -> metrics
 
 Every rank calls `train(resolved)`; the launcher decides how many there are.
 """
@@ -33,6 +33,7 @@ from trainer.optim import build_lr_schedule
 from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.layout import Layout
 from trainer.parallel.mesh import build_mesh
+from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
 from trainer.preempt import PreemptionFlag, RequeueRequested
 
@@ -113,11 +114,12 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
     torch.manual_seed(m.train.seed)
     model = build_model(run, mesh, device)
     sync = build_grad_sync(model, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
+    pipeline = build_pipeline(model, sync, run, mesh, device) if m.parallel.pp > 1 else None  # this rank's stages
     lr_schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
     loader = build_loader(
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,
         global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
-        microbatches=run.grad_accum, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
+        microbatches=run.batch.microbatches, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
     )
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device)
@@ -127,7 +129,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
         log.info("resuming from %s (step %d)", resumed.path, resumed.step)
     status = RunStatus(run.run_dir, info.is_rank0)
     status.write("running", first - 1)
-    meter = Meter(run, device, mesh)
+    meter = Meter(run, device, mesh, pipeline)
     autocast = autocast_for(run, device)
     preempt = PreemptionFlag().install()
     loss = torch.zeros(())
@@ -138,7 +140,11 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                          resume=resumed is not None) as sinks:
             for step in range(first, m.train.steps + 1):
                 meter.start()
-                loss = train_step(model, sync, loader.microbatches(step - 1), device, autocast, m.parallel.tp, run.grad_accum)
+                microbatches = loader.microbatches(step - 1)
+                if pipeline is not None:  # the schedule's actions over the pipeline ranks
+                    loss = pipeline.step(microbatches, autocast)
+                else:
+                    loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum)
                 grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
                 lr = sync.optimizer.param_groups[0]["lr"]
                 sync.step()
@@ -176,9 +182,9 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
 class Meter:
     """Step timing since the last log, tokens/s, MFU and memory: the numbers every sink reports."""
 
-    def __init__(self, run: Resolved, device: torch.device, mesh):
+    def __init__(self, run: Resolved, device: torch.device, mesh, pipeline=None):
         m = run.manifest
-        self.run, self.device = run, device
+        self.run, self.device, self.pipeline = run, device, pipeline
         self.dp_group = mesh["dp"].get_group() if mesh is not None else None
         self.flops_per_token = get_model_spec(m.model.kind).flops_per_token(m.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -207,6 +213,8 @@ class Meter:
             "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.run.world_size),
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }
+        # per-step busy / idle seconds and idle fraction of the worst pipeline rank (collective); none without pp
+        out |= self.pipeline.timing_metrics() if self.pipeline else {"busy_s": None, "idle_s": None, "bubble": None}
         self.window_time, self.window_steps = 0.0, 0
         return out
 

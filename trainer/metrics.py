@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
+# busy_s / idle_s: seconds per step the worst pipeline rank computed / waited; bubble: its idle fraction
+# of the pipelined forward-backward (null without pipeline parallelism)
+METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
+               "busy_s", "idle_s", "bubble")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -118,7 +121,7 @@ class ConsoleSink:
             f"{num('tokens_per_s', ',.0f')} tok/s",
             f"mfu {self._mfu_na if m['mfu'] is None else format(m['mfu'], '.1%')}",
             f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}", f"{num('step_time_s', '.3f')} s/step",
-        ])
+        ] + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"]))
 
     def log(self, metrics: dict[str, Any]) -> None:
         line = self.format(metrics)

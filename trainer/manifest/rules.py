@@ -14,7 +14,7 @@ from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
-from trainer.manifest.schema import Manifest, Schedule, Sharding
+from trainer.manifest.schema import Manifest, Recompute, Schedule, Sharding
 from trainer.manifest.source import SourceTree
 
 
@@ -101,11 +101,23 @@ def sequence_parallel_needs_tp(m: Manifest) -> Iterator[Finding]:
 def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     chunks = p.pp * p.virtual_stages
-    if m.model.layers % chunks:
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != chunks:
+            yield Finding(
+                "parallel.stage_layers",
+                f"{len(p.stage_layers)} entries for pp·virtual_stages = {p.pp}·{p.virtual_stages} = {chunks} stages; "
+                f"give one layer count per stage",
+            )
+        elif sum(p.stage_layers) != m.model.layers:
+            yield Finding(
+                "parallel.stage_layers",
+                f"the counts sum to {sum(p.stage_layers)} but model.layers is {m.model.layers}; make them add up",
+            )
+    elif m.model.layers % chunks:
         yield Finding(
             "model.layers",
             f"{m.model.layers} layers do not split evenly over pp·virtual_stages = {p.pp}·{p.virtual_stages}; "
-            f"use a multiple of {chunks} layers",
+            f"use a multiple of {chunks} layers, or list the layers of each stage in parallel.stage_layers",
         )
 
 
@@ -187,6 +199,7 @@ def data_source(m: Manifest) -> Iterator[Finding]:
 
 
 _LATER = "not supported yet"
+_SPLIT_BACKWARD = (Schedule.zb_h1, Schedule.zb_h2, Schedule.zb_v)  # B and W as separate passes
 
 
 @rule
@@ -194,8 +207,17 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     if p.tp > 1 and m.model.tie_embeddings:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with tensor parallel; set false or use tp: 1")
-    if p.pp > 1:
-        yield Finding("parallel.pp", f"{_LATER}: pipeline parallel arrives with the pipeline issue; use pp: 1")
+    if p.pp > 1 and p.optimizer_sharding == Sharding.zero3:
+        yield Finding("parallel.optimizer_sharding", f"{_LATER}: zero3 (FSDP2) with pp > 1 (FSDP's gather and "
+                      "reduce-scatter hooks expect the whole model's forward and one backward per microbatch, the "
+                      "pipeline runs stages and splits B from W); use zero1 or zero2")
+    if p.pp > 1 and p.schedule in _SPLIT_BACKWARD and m.train.activation_checkpointing == Recompute.selective:
+        yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute with {p.schedule.value} "
+                      "(torch's selective checkpoint allows one backward per region; B and W are two); "
+                      "use full or none, or a schedule without split backward (1f1b, interleaved-1f1b, gpipe)")
+    if p.pp > 1 and m.model.tie_embeddings:
+        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with pp > 1 (the head sits on another stage "
+                      "than the embedding); set false or use pp: 1")
     if p.cp > 1:
         yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
 

@@ -140,6 +140,11 @@ class ParallelSection(Section):
     pp: PositiveInt = Field(1, description="pipeline-parallel degree")
     schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")
     virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
+    stage_layers: tuple[NonNegativeInt, ...] | None = Field(
+        None,
+        description="layers of each virtual stage in model order (pp * virtual_stages entries summing to "
+        "model.layers), e.g. fewer on the first and last stage for the embedding and the head; default: uniform",
+    )
     microbatches: PositiveInt | None = Field(
         None,
         description="gradient-accumulation count when pp = 1, pipeline microbatches otherwise; "

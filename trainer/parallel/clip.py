@@ -5,9 +5,15 @@ the mesh dimensions it is sharded over; one all-reduce per group then sums the
 shards, while replicated elements are counted once. The norm equals the one a
 single process computes on the whole model. Partial gradients must have been
 reduced first (trainer.parallel.tensor.reduce_partial_grads).
+
+`across` names process groups whose ranks hold *disjoint* parameters (the
+pipeline group: each stage has its own): the per-rank sum of squares, already
+complete over tp/fsdp shards, is summed once more over each of them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +28,7 @@ def _shard_key(g: DTensor) -> tuple:
 
 
 @torch.no_grad()
-def global_grad_norm(params) -> torch.Tensor:
+def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
@@ -39,14 +45,16 @@ def global_grad_norm(params) -> torch.Tensor:
         for dim in dims:
             dist.all_reduce(sq, group=mesh.get_group(dim))
         total += sq
+    for group in across:  # disjoint parameter sets (pipeline stages): add their sums
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """Scale the gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, across)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -101,7 +101,12 @@ def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> 
 
     sharding = run.manifest.parallel.optimizer_sharding
     if mesh is None or run.dp == 1:  # one data-parallel rank: tensor parallel needs no gradient sync of ours
-        return LocalSync(model, build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device))
+        optimizer = build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device)
+        if run.manifest.parallel.pp > 1:  # the same, but the gradient norm sums over the pipeline stages
+            from trainer.parallel.pipeline.runtime import PipelineLocalSync
+
+            return PipelineLocalSync(model, optimizer, mesh["pp"].get_group())
+        return LocalSync(model, optimizer)
     if sharding == Sharding.zero3:
         from trainer.parallel.fsdp import FSDPSync
 

@@ -1,6 +1,6 @@
 """How a Llama is parallelized: this function only decides the order, the mechanics live in trainer/parallel.
 
-    tensor + sequence parallel -> activation checkpointing -> compile -> FSDP (zero3)
+    tensor + sequence parallel -> pipeline split -> activation checkpointing -> compile -> FSDP (zero3)
 
 Runs on the meta device, before the weights exist; the trainer materializes and
 initialises afterwards (each rank draws the full tensor and keeps its shard).
@@ -31,6 +31,10 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     p, train = run.manifest.parallel, run.manifest.train
     if p.tp > 1:
         apply_llama_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+    if p.pp > 1:  # keep only this rank's stages; FQNs (and so the seeded init) stay the whole model's
+        from trainer.parallel.pipeline.split import split_model
+
+        split_model(model, run, mesh["pp"].get_local_rank())
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value)
     if train.compile:
         apply_compile(model.layers)

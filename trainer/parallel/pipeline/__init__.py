@@ -10,6 +10,11 @@
     print(render_ascii(result)); write_timeline("plan.svg", result)
 
 Schedules: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v.
+
+The runtime that trains with them needs torch and is imported on its own
+(`trainer.parallel.pipeline.runtime`): split.py cuts the model into stages,
+backward.py splits a stage's backward into B and W, executor.py runs one
+rank's action list with batched p2p, runtime.py ties it to the loop.
 """
 
 from trainer.parallel.pipeline.actions import Action, Kind, Schedule, parse_action, to_torch_csv

@@ -1,0 +1,193 @@
+"""Pipeline parallel vs one process: every schedule at pp 2 and 4, and pp with dp (zero1, zero2) and tp.
+
+fp32 on CPU (gloo), SGD (exact parameters, DESIGN.md), 5 steps, clipping active, an 8-layer tiny
+llama so pp 4 with 2 virtual stages still has a layer per chunk. Loss and grad norm per step and
+every final parameter must match one process within 1e-5 relative.
+
+Four ranks on two cores are slow to start, so each world size is one launch that trains every
+layout of that size in turn (`python -m torch.distributed.run ... this_file.py OUT manifests...`,
+one process group for all; the loop's shutdown is skipped between runs). Each layout is still its
+own test and fails on its own numbers. The same launch counts the data-parallel machinery: how
+often each gradient hook fired and, for every reduce-scatter the bucketed reducer launched, which
+pipeline action was running (it must be a W/BW, and for zero1 the rank's final one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import ROOT, assert_same_training, merge, read_jsonl, tiny_config, train_on_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+STEPS = 5
+BASE = {"optimizer": {"name": "sgd", "lr": 0.05, "warmup": 0, "grad_clip": 1.0}, "model": {"layers": 8}}
+SMALL_BUCKETS = 0.01  # MiB: several buckets per rank, so reductions can start before the final W ends
+
+SCHEDULES = {
+    "gpipe": {"schedule": "gpipe"},
+    "1f1b": {"schedule": "1f1b"},
+    "interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2},
+    "zb-h1": {"schedule": "zb-h1"},
+    "zb-h2": {"schedule": "zb-h2"},
+    "zb-v": {"schedule": "zb-v", "virtual_stages": 2},
+}
+TWO_RANKS = {f"pp2-{name}": {"pp": 2} | s for name, s in SCHEDULES.items()}
+FOUR_RANKS = {f"pp4-{name}": {"pp": 4} | s for name, s in SCHEDULES.items()} | {
+    "pp2-dp2-zero1-zb-h1": {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero1", "bucket_mb": SMALL_BUCKETS},
+    "pp2-dp2-zero2-1f1b": {"pp": 2, "schedule": "1f1b", "optimizer_sharding": "zero2", "bucket_mb": SMALL_BUCKETS},
+    "pp2-dp2-zero2-zb-v": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero2",
+                           "bucket_mb": SMALL_BUCKETS},
+    "pp2-tp2-sp-zb-h1": {"pp": 2, "schedule": "zb-h1", "tp": 2, "sequence_parallel": True},
+}
+DP_LAYOUTS = [name for name, p in FOUR_RANKS.items() if "optimizer_sharding" in p]
+
+
+def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
+    """Train each layout on `nproc` ranks in one launch; {name: {"rows", "params", "probe"}}."""
+    import torch
+    import yaml
+
+    paths = []
+    for name, parallel in layouts.items():
+        config = merge(tiny_config(name, tmp / name, STEPS), BASE | {"launcher": {"nproc": nproc}, "parallel": parallel})
+        paths.append(tmp / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(config, sort_keys=False))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).resolve()), str(tmp), *map(str, paths)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"launch of {list(layouts)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = {}
+    for name in layouts:
+        probes = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}.probe*.json"))]
+        out[name] = {"rows": read_jsonl(tmp / name / "metrics.jsonl"),
+                     "params": torch.load(tmp / f"{name}.pt", weights_only=True), "probe": probes}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_on_ranks(tmp_path_factory.mktemp("ref"), "single", 1, BASE, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("pp2"), 2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("pp4"), 4, FOUR_RANKS)
+
+
+def check_run(reference, run: dict) -> None:
+    assert_same_training(reference, (run["rows"], run["params"]))
+    for row in run["rows"]:  # the pipeline measured itself
+        assert row["busy_s"] > 0 and row["idle_s"] >= 0 and 0 <= row["bubble"] < 1, row
+        assert row["bubble"] == pytest.approx(row["idle_s"] / (row["busy_s"] + row["idle_s"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_pp2_matches_one_process(name, reference, two_ranks):
+    check_run(reference, two_ranks[name])
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks_match_one_process(name, reference, four_ranks):
+    check_run(reference, four_ranks[name])
+
+
+@pytest.mark.parametrize("name", DP_LAYOUTS)
+def test_gradient_hooks_and_reductions_fire_once(name, four_ranks):
+    """Hooks: once per parameter per W (one chunk per rank: per microbatch) or once per step (several
+    chunks: only each chunk's final W feeds the reducer); B never fires one. Reductions: zero1 reduces
+    each bucket once per step, inside the rank's final W of that bucket's chunk (overlapping it);
+    zero2 reduce-scatters once per microbatch, always inside a W/BW."""
+    parallel = FOUR_RANKS[name]
+    microbatches = 8 // (2 * 2)  # global_batch / (micro_batch * dp)
+    several_chunks = parallel.get("virtual_stages", 1) > 1
+    probes = [p for p in four_ranks[name]["probe"]]
+    assert len(probes) == 4
+    for probe in probes:
+        calls = set(probe["hook_calls"].values())
+        assert calls == {STEPS if several_chunks else STEPS * microbatches}, (probe["rank"], calls)
+        launches = probe["launches"]
+        assert all(kind in ("W", "BW") for kind, _ in launches), launches  # never during F or B
+        per_step = probe["buckets"] * (1 if parallel["optimizer_sharding"] == "zero1" or several_chunks else microbatches)
+        assert len(launches) == STEPS * per_step, (probe["rank"], len(launches), probe["buckets"])
+        if parallel["optimizer_sharding"] == "zero1" or several_chunks:
+            assert all(final for _, final in launches), launches  # in the final W of the chunk: overlapped
+        assert probe["buckets"] > 1
+
+
+# -- the launched side ----------------------------------------------------------------------------
+
+def _probe() -> tuple[dict, list]:
+    """Count every reduce-scatter and note the pipeline action running when it was launched."""
+    import torch.distributed as dist
+
+    from trainer.parallel.pipeline import executor as ex
+
+    running: dict = {}
+    launches: list = []
+    init = ex.Executor.__init__
+
+    def record_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        running["executor"] = self
+
+    ex.Executor.__init__ = record_init
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        current = getattr(running.get("executor"), "current", None)
+        final = current is not None and current in running["executor"].final_backward
+        launches.append((current.kind.value if current else None, final))
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    return running, launches
+
+
+def main(out: Path, manifests: list[Path]) -> None:
+    import torch.distributed as dist
+
+    import trainer.loop as loop
+    from harness import full_parameters, merge_ranks
+    from trainer.manifest import load_manifest
+
+    loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch
+    _, launches = _probe()
+    for path in manifests:
+        run, _ = load_manifest(path)
+        launches.clear()
+
+        def save(model, sync, name=run.manifest.name) -> None:
+            import torch
+
+            params = merge_ranks(full_parameters(model), out / f"{name}.pt")
+            rank = dist.get_rank()
+            if rank == 0:
+                torch.save(params, out / f"{name}.pt")
+            if getattr(sync, "hook_calls", None) is not None:
+                probe = {"rank": rank, "hook_calls": sync.hook_calls, "buckets": len(sync.reducer.buckets),
+                         "launches": list(launches)}
+                (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
+
+        loop.train(run, on_finish=save)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])

@@ -1,0 +1,142 @@
+"""Pipeline parallelism on real ranks: the object the training loop calls once per step.
+
+    pipeline = build_pipeline(model, sync, run, mesh, device)   # next to the model
+    loss = pipeline.step(microbatches, autocast)                # instead of train_step
+
+`model` is this rank's part of the model (split.py cut it before init);
+`step` runs the generated action list of this pipeline rank (executor.py),
+waits for the data-parallel reductions, and returns the mean loss over the
+microbatches, broadcast from the last stage so every pipeline rank returns it.
+
+Why our own executor rather than torch's `_PipelineScheduleRuntime` (which
+does run our lists, see DESIGN.md): torch's W (`stage_backward_weight`)
+assigns `param.grad` by hand, so the post-accumulate-grad hooks of our
+bucketed reducer (zero.py) never see the weight gradients; its runtime posts
+p2p ops one at a time instead of our batches; and we time every action for
+the bubble metric. We still use torch's `stage_backward_input` for B.
+
+Data-parallel gradients (BucketSync's reducer takes each gradient in a
+post-accumulate-grad hook; a `backward_context(last)` must see every one of
+its parameters exactly once):
+
+- one chunk per rank (gpipe, 1f1b, zb-h1, zb-h2): each W / BW is one
+  microbatch's backward of all the rank's parameters, so it runs inside its
+  own `backward_context(last=<the rank's final W>)`. Hooks fire once per
+  parameter per microbatch (B fires none), gradients accumulate in place in
+  the reducer's buffer, and the reductions launch in the final W, bucket by
+  bucket as they complete, overlapping the rest of it.
+- several chunks (interleaved-1f1b, zb-v): a chunk's W alone does not cover
+  the rank's parameters, and contexts cannot interleave. The whole step is
+  one `backward_context(last=True)`; W passes accumulate into `.grad` quietly
+  (no hook) except each chunk's final one, whose hooks fire once per
+  parameter per step with the whole step's gradient, so each chunk's buckets
+  reduce while the other chunk's last W passes still run. The price: a full
+  `.grad` per parameter during the step (no accumulation fusion, and zero2
+  keeps full gradients until the final W). A reducer whose contexts cover a
+  subset of parameters would lift it (see the report in the issue).
+
+Global gradient norm: pipeline ranks hold disjoint parameters, so each rank's
+sum of squares (exact over tp/fsdp shards) is summed over the pp group
+(`PipelineLocalSync` here; BucketSync does the same itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.data import LocalSync
+from trainer.parallel.pipeline.actions import Action, Kind
+from trainer.parallel.pipeline.executor import Executor, StepTiming
+from trainer.parallel.pipeline.schedules import build_schedule
+from trainer.parallel.pipeline.split import StageModule, activation_shape, cross_entropy, layout_for
+from trainer.parallel.tensor import loss_context
+
+log = logging.getLogger(__name__)
+
+
+class PipelineLocalSync(LocalSync):
+    """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline stages."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup):
+        super().__init__(model, optimizer)
+        self.pp_group = pp_group
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,))
+
+
+class Pipeline:
+    """This rank's stages, its action list and the gradient-sync policy (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, sync, run, mesh, device: torch.device,
+                 cost: Mapping[Kind, float] | None = None) -> None:
+        m, p = run.manifest, run.manifest.parallel
+        self.schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages)
+        layout, split = layout_for(run)
+        pp_mesh = mesh["pp"]
+        self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
+        self.stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(self.pp_rank)}
+        shape = activation_shape(run.batch.micro_batch, m.model.seq_len, m.model.dim, p.tp, p.sequence_parallel)
+        self.executor = Executor(
+            self.schedule.ranks[self.pp_rank], self.stages, layout, self.pp_rank, self.group, device,
+            shape, torch.float32, run.batch.microbatches, cross_entropy, lambda: loss_context(p.tp), cost,
+        )
+        self.sync = sync
+        self.loss_rank = layout.rank_of(layout.num_stages - 1)
+        dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
+        hooked = getattr(sync, "hook_calls", None) is not None  # gradients taken by post-accumulate-grad hooks
+        self.whole_step_context = hooked and len(self.stages) > 1
+        self.last: StepTiming | None = None
+        self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
+
+    # -- the step -------------------------------------------------------------------------------
+    def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
+        if self.whole_step_context:
+            return contextlib.nullcontext()
+        return self.sync.backward_context(last=action in self.executor.final_backward)
+
+    def _quiet(self, action: Action) -> bool:
+        return self.whole_step_context and action not in self.executor.final_backward
+
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None) -> torch.Tensor:
+        """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank."""
+        outer = self.sync.backward_context(last=True) if self.whole_step_context else contextlib.nullcontext()
+        with outer:
+            loss, timing = self.executor.run(microbatches, self._grad_context, self._quiet, autocast)
+        self.sync.finish_backward()
+        self.last = timing
+        self._window[0] += timing.busy
+        self._window[1] += timing.span
+        self._window[2] += 1
+        out = torch.zeros((), dtype=torch.float32, device=self.device) if loss is None else loss.float()
+        dist.broadcast(out, group=self.group, group_src=self.loss_rank)
+        return out
+
+    # -- metrics --------------------------------------------------------------------------------
+    def timing_metrics(self) -> dict[str, float | None]:
+        """busy_s / idle_s per step (means since the last call) of the worst rank, and its idle
+        fraction `bubble`. A collective over all ranks: call it on every rank."""
+        busy, span, steps = self._window
+        self._window = [0.0, 0.0, 0.0]
+        if not steps:
+            return {"busy_s": None, "idle_s": None, "bubble": None}
+        log.info("pipeline rank %d: busy %.4f s, idle %.4f s per step", self.pp_rank, busy / steps, (span - busy) / steps)
+        # every rank's (busy, span) by an all-reduce of a zero table with its own row filled: gloo's
+        # all-gather can abort the process at exit (see zero.py), all-reduce does not
+        table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=self.device)
+        table[dist.get_rank()] = torch.tensor([busy / steps, span / steps], dtype=torch.float64)
+        dist.all_reduce(table)
+        rows = [(max(s - b, 0.0), b, s) for b, s in table.tolist()]
+        idle, busy_w, span_w = max(rows, key=lambda r: r[0] / r[2] if r[2] else 0.0)
+        return {"busy_s": busy_w, "idle_s": idle, "bubble": idle / span_w if span_w else None}
+
+
+def build_pipeline(model: torch.nn.Module, sync, run, mesh, device: torch.device) -> Pipeline:
+    """The pipeline of this rank (pp > 1 only)."""
+    return Pipeline(model, sync, run, mesh, device)

@@ -1,0 +1,113 @@
+"""Cut a decoder into pipeline stages: which layers each virtual stage runs, and the stage modules.
+
+The model keeps its whole-model FQNs: a rank builds the full model on the
+meta device, deletes the blocks (and the embedding, final norm and head) its
+virtual stages do not hold, and only then materializes. The seeded init
+draws each parameter from its FQN, so what remains equals the same
+parameters of the whole model.
+
+    layers per stage   uniform (layers / (pp * virtual_stages)) or `parallel.stage_layers`
+    stage 0            tok_embeddings + its layers
+    last stage         its layers + norm + output (the loss is taken on its logits)
+
+The decoder contract (met by the llama plugin): `tok_embeddings`, `layers`
+(a ModuleDict keyed "0".."N-1"), `norm`, `output` (None when tied),
+`rope_cos` / `rope_sin` buffers, and blocks called as `block(h, cos, sin)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.parallel.pipeline.stages import StageLayout
+
+
+def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | None = None) -> list[list[int]]:
+    """Layer indices of each virtual stage, in model order: [[0, 1], [2, 3], ...].
+
+    Uniform unless `explicit` gives the count of each stage (it must sum to `layers`).
+    """
+    counts = list(explicit) if explicit else [layers // num_stages] * num_stages
+    if explicit is None and layers % num_stages:
+        raise ValueError(f"{layers} layers do not split evenly over {num_stages} stages; give stage_layers")
+    if len(counts) != num_stages or sum(counts) != layers or min(counts) < 0:
+        raise ValueError(f"stage_layers {counts} must have {num_stages} non-negative entries summing to {layers}")
+    out, start = [], 0
+    for n in counts:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def keep_stages(model: nn.Module, layout: StageLayout, pp_rank: int, split: list[list[int]]) -> None:
+    """Delete from `model` (in place, any device) everything rank `pp_rank`'s stages do not run."""
+    held = layout.stages_of(pp_rank)
+    keep = {str(i) for s in held for i in split[s]}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if 0 not in held:
+        model.tok_embeddings = None
+    if layout.num_stages - 1 not in held:
+        model.norm = None
+        model.output = None
+
+
+class StageModule(nn.Module):
+    """One virtual stage: the blocks it runs (and embedding / norm + head at the ends).
+
+    It holds the same submodules as the model (so `named_parameters()` keeps
+    whole-model FQNs such as `layers.4.attention.wq.weight`), but not the model
+    itself, whose RoPE tables it reads through a plain reference.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, layer_ids: Sequence[int], num_stages: int) -> None:
+        super().__init__()
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+        self._root = [model]  # a list: not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Stage 0 takes tokens [B, S]; others the hidden state. The last returns fp32 logits."""
+        root = self._root[0]
+        seq = x.shape[1] if self.is_first else root.cfg.seq_len  # later stages: training windows are seq_len long
+        cos, sin = root.rope_cos[:seq], root.rope_sin[:seq]
+        h = self.tok_embeddings(x) if self.is_first else x
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if not self.is_last:
+            return h
+        h = self.norm(h)
+        return self.output(h).float()
+
+
+def activation_shape(micro_batch: int, seq_len: int, dim: int, tp: int, sequence_parallel: bool) -> tuple[int, int, int]:
+    """The hidden state crossing a stage boundary on one rank: [micro_batch, seq (/tp under SP), dim]."""
+    return (micro_batch, seq_len // tp if sequence_parallel else seq_len, dim)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss on one microbatch: mean token cross-entropy (as the pp = 1 step)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def layout_for(run) -> tuple[StageLayout, list[list[int]]]:
+    """The stage placement of the manifest's schedule and the layers of each virtual stage."""
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+
+    p, model = run.manifest.parallel, run.manifest.model
+    layout = StageLayout(p.pp, p.virtual_stages, SCHEDULES.get(p.schedule.value).style)
+    return layout, stage_layers(model.layers, layout.num_stages, p.stage_layers)
+
+
+def split_model(model: nn.Module, run, pp_rank: int) -> None:
+    """Keep only what pipeline rank `pp_rank` runs (call on the meta device, before init)."""
+    layout, split = layout_for(run)
+    keep_stages(model, layout, pp_rank, split)
