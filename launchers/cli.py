@@ -3,6 +3,7 @@
     mantra validate manifests/tiny-cpu.yaml            # errors as FILE:LINE:COL, exit 2
     mantra run      manifests/tiny-cpu.yaml --nproc 2  # torchrun --standalone, 2 ranks
     mantra dry-run  manifests/tiny-cpu.yaml            # layout, parameters per rank, the command
+    mantra plan     manifests/llama3-8b.yaml           # memory per rank, step time, fits or not (no torch)
     mantra submit   manifests/tiny-cpu.yaml --wait     # Slurm through submitit; requeue + auto-resume
     mantra schema   > manifests/schema.json            # JSON Schema for editors
     mantra models                                      # installed model kinds
@@ -88,6 +89,16 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from launchers.plan import PlanInputError, run_plan
+
+    try:
+        return run_plan(args.manifest, list(args.set or []), gpu=args.gpu, gpu_mem=args.gpu_mem, as_json=args.json,
+                        timeline=args.timeline, search=args.search, gpus=args.gpus, efficiency=args.efficiency)
+    except PlanInputError as exc:
+        raise BadInput(str(exc)) from None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from launchers.slurm import SlurmError, submit_manifests
 
@@ -170,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     with_manifest(p)
     p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
     p.set_defaults(fn=cmd_dry_run)
+
+    p = sub.add_parser("plan", help="memory per rank, FLOPs, step time and bubble before launch; --search for layouts")
+    with_manifest(p)
+    p.add_argument("--gpu", default="h100", choices=["h100", "h200", "a100", "b200", "cpu"], help="device to plan for")
+    p.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory per device (default: the device's)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--timeline", metavar="FILE", help="write the pipeline timeline picture (.svg, or .png with matplotlib)")
+    p.add_argument("--search", action="store_true", help="list the five fastest layouts that fit, as --set lines")
+    p.add_argument("--gpus", type=int, metavar="N", help="devices to search layouts for (with --search)")
+    p.add_argument("--efficiency", type=float, metavar="F", help="achievable share of peak FLOP/s (default 0.5)")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("submit", help="submit to Slurm (one task per GPU); requeued and resumed when preempted")
     with_manifest(p, many=True)

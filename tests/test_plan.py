@@ -1,0 +1,258 @@
+"""`mantra plan`: the formulas, the activation coefficients against a real block, search, the CLI and its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, mantra
+from trainer.manifest import load_manifest
+from trainer.manifest.schema import ModelSection
+from trainer.plan import activations as act
+from trainer.plan import estimate, memory
+from trainer.plan.shapes import llama_params, local_numel, plan_buckets
+
+MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
+CFG = ModelSection(kind="llama", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128, vocab=512, seq_len=64)
+
+
+def write(tmp_path: Path, parallel: dict, nproc: int, **train) -> Path:
+    data = {"name": "p", "model": CFG.model_dump(mode="json"), "parallel": parallel,
+            "train": {"global_batch": 8, "micro_batch": 2, "steps": 3} | train, "data": {"source": "synthetic"},
+            "launcher": {"nproc": nproc}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# -- model states ------------------------------------------------------------------------------------
+
+
+def test_published_bytes_per_param():
+    assert sum(memory.bytes_per_param("none", 8)) == 16
+    assert sum(memory.bytes_per_param("zero1", 8)) == 4 + 4 + 1
+    assert sum(memory.bytes_per_param("zero2", 4)) == 4 + 12 / 4
+    assert sum(memory.bytes_per_param("zero3", 8)) == 2
+    assert memory.megatron_bytes_per_param(1, False) == 18
+    assert memory.megatron_bytes_per_param(8, True) == 6 + 12 / 8
+    assert [memory.zero_paper_bytes_per_param(s, 64) for s in range(4)] == [16, 4 + 12 / 64, 2 + 14 / 64, 16 / 64]
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
+def test_states_follow_the_formulas(tmp_path, sharding):
+    """params, grads between steps and Adam states of one rank = Ψ x the per-parameter formula (padding aside)."""
+    run, _ = load_manifest(write(tmp_path, {"optimizer_sharding": sharding, "dp_shard": 1 if sharding == "none" else 4,
+                                            "dp_replicate": 4 if sharding == "none" else 1}, 4))
+    setup = _setup(run)
+    st = memory.states(setup)
+    psi = sum(p.numel for p in llama_params(CFG))
+    params, grads, adam = memory.bytes_per_param(sharding, 4)
+    assert st["params"] == pytest.approx(params * psi, rel=0.01)
+    assert st["grad_step"] == pytest.approx(grads * psi, rel=0.01)
+    assert st["optimizer"] == pytest.approx(adam * psi, rel=0.01)
+
+
+def _setup(run) -> memory.Setup:
+    from trainer.plan.estimate import _moments
+
+    p = run.manifest.parallel
+    return memory.Setup(params=tuple(llama_params(CFG)), layers=CFG.layers, first=True, last=True, tp=p.tp,
+                        sp=p.sequence_parallel, dp=run.dp, dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value,
+                        recompute="none", bf16=False, micro_batch=run.batch.micro_batch, loaded=1,
+                        moments=_moments(run)[0], holds_logits=True, chunks=1, bucket_bytes=int(p.bucket_mb * 2**20),
+                        adamw=True, fused=False, cfg=CFG)
+
+
+def test_sharding_orders_peak_memory(tmp_path):
+    """Per-rank memory must fall none > zero1 > zero2 > zero3 (DESIGN.md)."""
+    peaks = []
+    for sharding in ("none", "zero1", "zero2", "zero3"):
+        shard = 1 if sharding == "none" else 4
+        run, _ = load_manifest(write(tmp_path, {"optimizer_sharding": sharding, "dp_shard": shard, "dp_replicate": 4 // shard}, 4))
+        peaks.append(estimate(run, "cpu").peak)
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+
+
+def test_bucket_packing_matches_the_reducer():
+    from trainer.parallel.buckets import plan_buckets as real
+
+    numels = [local_numel(p, 2) for p in reversed(llama_params(CFG))]
+    for elems, shards in ((1000, 1), (4096, 2), (10**6, 4), (20000, 3)):
+        ours = plan_buckets(numels, elems, shards)
+        theirs = real(numels, elems, shards)
+        assert list(ours.sizes) == [b.size for b in theirs]
+
+
+# -- activations -------------------------------------------------------------------------------------
+
+
+def _block(cfg: ModelSection):
+    import torch
+
+    from trainer.models.llama.model import TransformerBlock, rope_cache
+
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg)
+    cos, sin = rope_cache(cfg.dim // cfg.heads, cfg.seq_len, cfg.rope_theta)
+    return block, cos, sin
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_saved_tensors_of_one_block_match_the_coefficients(bf16, kv_heads):
+    """Count what autograd saves for one block (saved_tensors_hooks), each storage once, without the
+    parameters and the model's RoPE tables; autocast's weight copies are plan's own 'buffers' row."""
+    import contextlib
+
+    import torch
+
+    cfg = CFG.model_copy(update={"kv_heads": kv_heads})
+    block, cos, sin = _block(cfg)
+    b = 3
+    x = torch.randn(b, cfg.seq_len, cfg.dim, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {cos.untyped_storage().data_ptr(),
+                                                                          sin.untyped_storage().data_ptr()}
+    weights = {s for p in block.parameters() if p.ndim == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}  # mm saves w.t()
+    saved: dict[int, int] = {}
+    copies: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            (copies if tuple(t.shape) in weights and t.dtype == torch.bfloat16 else saved)[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        out = block(x, cos, sin)
+    expected = act.block_bytes(cfg, b, "none", act.Precision(bf16))
+    assert sum(saved.values()) == expected, act.block_terms(cfg, b, "none", act.Precision(bf16))
+    if bf16:  # one bf16 copy of each block matrix, saved by its matmul
+        assert sum(copies.values()) == 2 * sum(p.numel() for p in block.parameters() if p.ndim == 2)
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
+    """The allocator's view for every recompute mode: what stays alive after a block's forward (its output
+    aside) is the block's activations less its input (allocated before)."""
+    import contextlib
+
+    import torch
+
+    from trainer.memtrack import LiveTensorTracker
+    from trainer.parallel.recompute import apply_activation_checkpointing
+
+    block, cos, sin = _block(CFG)
+    blocks = torch.nn.ModuleDict({"0": block})
+    apply_activation_checkpointing(blocks, mode)
+    b = 2
+    x = torch.randn(b, CFG.seq_len, CFG.dim, requires_grad=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with LiveTensorTracker() as track:
+        with ctx:
+            out = blocks["0"](x, cos, sin)
+        done = out.untyped_storage().nbytes()
+        loss = out.sum()  # its allocation marks the end of the forward: every temporary is gone by then
+        ptr = loss.untyped_storage().data_ptr()
+        loss.backward()  # everything is freed here, on this thread, before the tracker stops
+        del out, loss
+    i = max(i for i, s in enumerate(track.samples) if s.ptr == ptr and s.delta > 0)  # addresses are reused: the last
+    live = track.samples[i - 1].total - done
+    p = act.Precision(bf16)
+    casts = 2 * sum(q.numel() for q in block.parameters() if q.ndim == 2) if (bf16 and mode == "none") else 0
+    expected = act.block_bytes(CFG, b, mode, p) - 4 * b * CFG.seq_len * CFG.dim + casts
+    assert live == pytest.approx(expected, rel=0.01, abs=64)
+
+
+def test_coefficients_in_the_manner_of_korthikanti():
+    """fp32 without recompute: s·b·h·(40 + 16·f/h) plus the small [b, s] and [b, a, s] terms."""
+    cfg = CFG.model_copy(update={"seq_len": 4096, "dim": 4096, "heads": 32, "kv_heads": 8, "ffn_dim": 14336})
+    per_sbh = act.block_bytes(cfg, 1, "none", act.Precision(False)) / (cfg.seq_len * cfg.dim)
+    assert per_sbh == pytest.approx(40 + 16 * 14336 / 4096 + (8 + 4 * 32) / 4096)
+    bf16 = act.block_bytes(cfg, 1, "none", act.Precision(True)) - 8 * cfg.seq_len * 128  # RoPE casts aside
+    assert bf16 / (cfg.seq_len * cfg.dim) == pytest.approx(34 + 8 * 14336 / 4096 + (8 + 4 * 32) / 4096)
+    assert act.block_bytes(cfg, 1, "full", act.Precision(True), tp=4, sp=True) == 4 * cfg.seq_len * cfg.dim / 4
+
+
+# -- search ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def found():
+    from trainer.plan.search import search
+
+    return search(ROOT / "manifests/llama3-8b.yaml", gpus=16, gpu_mem=80, device="h100")
+
+
+def test_search_suggestions_validate_and_fit(found):
+    assert 1 <= len(found.best) <= 5 and found.fitting >= len(found.best)
+    times = [c.estimate.timing.step_s for c in found.best]
+    assert times == sorted(times)
+    for c in found.best:
+        run, _ = load_manifest(ROOT / "manifests/llama3-8b.yaml", list(c.overrides))
+        again = estimate(run, "h100", capacity_gib=80)
+        assert again.fits and again.peak == c.estimate.peak
+        assert run.world_size == 16
+
+
+def test_a_layout_that_does_not_fit_is_never_suggested(found):
+    """Plain data parallel keeps 16 B/param on every rank: 8B x 16 B = 128 GB > 80 GiB, whatever else."""
+    bad = ["launcher.slurm.nodes=2", "parallel.dp_replicate=16", "parallel.dp_shard=1", "parallel.optimizer_sharding=none",
+           "train.micro_batch=1", "train.activation_checkpointing=full"]
+    run, _ = load_manifest(ROOT / "manifests/llama3-8b.yaml", bad)
+    assert not estimate(run, "h100", capacity_gib=80).fits
+    for c in found.best:
+        lay = c.estimate.layout
+        assert not (lay["optimizer_sharding"] == "none" and lay["tp"] == 1 and lay["pp"] == 1)
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_plan_runs_on_every_shipped_manifest(path):
+    proc = mantra("plan", str(path.relative_to(ROOT)), "--gpu", "cpu" if "cpu" in path.name else "h100")
+    assert proc.returncode == 0, proc.stderr
+    assert "peak" in proc.stdout and ("fits" in proc.stdout or "does not fit" in proc.stdout)
+
+
+def test_json_schema(tmp_path):
+    proc = mantra("plan", "manifests/tiny-cpu.yaml", "--gpu", "cpu", "--json", "--timeline", str(tmp_path / "t.svg"))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"name", "device", "world_size", "layout", "precision", "memory", "time", "activation_coefficients", "notes"}
+    mem = out["memory"]
+    assert isinstance(mem["fits"], bool) and mem["peak_bytes"] <= mem["capacity_bytes"]
+    row = mem["ranks"][0]
+    assert set(row) == {"rank", "layers", "inflight", "phase", "params", "grads", "optimizer", "activations", "logits",
+                        "buffers", "peak"}
+    assert row["peak"] == pytest.approx(sum(row[k] for k in ("params", "grads", "optimizer", "activations", "logits", "buffers")), abs=8)
+    assert out["time"]["step_s"] > 0 and 0 < out["time"]["mfu"] < 1
+    assert (tmp_path / "t.svg").read_text().startswith("<svg")
+
+
+def test_search_json_and_bad_arguments():
+    proc = mantra("plan", "manifests/llama3-8b.yaml", "--search", "--gpus", "8", "--gpu-mem", "141", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["best"] and all(b["plan"]["memory"]["fits"] for b in out["best"])
+    assert mantra("plan", "manifests/llama3-8b.yaml", "--search").returncode == 2
+    bad = mantra("plan", "manifests/llama3-8b.yaml", "--timeline", "x.gif")
+    assert bad.returncode == 2 and "use .svg or .png" in bad.stderr
+
+
+def test_plan_never_imports_torch():
+    code = ("import sys; from launchers.cli import main; "
+            "main(['plan', 'manifests/llama3-8b.yaml', '--set', 'parallel.pp=4', '--set', 'parallel.optimizer_sharding=zero1', "
+            "'--set', 'train.global_batch=64', '--set', 'train.activation_checkpointing=full', '--set', 'parallel.schedule=zb-h1']); "
+            "main(['plan', 'manifests/llama3-8b.yaml', '--search', '--gpus', '16', '--json']); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,190 @@
+"""Activation memory of one Llama block, derived from the tensors it really saves for backward.
+
+Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
+Models") count a GPT block with dropout at s·b·h·(34 + 5·a·s/h) bytes in 16-bit
+without recompute. Our block (trainer/models/llama/model.py) differs: no dropout,
+RMSNorm computed in fp32, SwiGLU with ffn_dim f, GQA whose k/v are repeated to all
+heads before SDPA, and SDPA (flash / efficient / CPU flash) which saves no s×s
+matrix, only its output and a logsumexp [b, a, s] in fp32. Walking the forward
+(s = seq_len, b = micro_batch, h = dim, f = ffn_dim, a = heads, e = 2 bytes under
+bf16 autocast, 4 in fp32; r = bytes of the residual stream: 4, or 2 under zero3's
+bf16 FSDP gather, which makes the embedding and the norm weights bf16 too):
+
+    tensor (saved by)                                    bytes            split over tp
+    block input x (pow in attention_norm)                 4·sbh           sp       (r = 4)
+    x/rms(x) in fp32 (weight * ·)                         4·sbh           sp
+    1/rms(x) in fp32 [b, s, 1]                            4·sb            sp
+    attention_norm output (wq, wk, wv): fp32 4·sbh once,
+      or 3 bf16 casts (autocast casts per linear) 6·sbh                  no (tp: replicated; sp: all-gathered)
+    q after RoPE (SDPA)                                   e·sbh           tp
+    k, v repeated to all a heads (SDPA)                   2·e·sbh         tp
+    SDPA output (wo; a view) + logsumexp (fp32)           e·sbh + 4·asb   tp
+    RoPE cos/sin cast to bf16 (4 muls)                    4·2·s·(h/a)     no
+    residual h = x + attn (pow in ffn_norm)               4·sbh           sp
+    h/rms(h), 1/rms(h)                                    4·sbh + 4·sb    sp
+    ffn_norm output (w1, w3): fp32 4·sbh, or 2 casts 4·sbh                no
+    w1 out, silu(w1 out), w3 out, silu·w3 (w2)            4·e·sbf         tp
+
+so without recompute, fp32:  s·b·h·(40 + 16·f/h) + 8·sb + 4·asb
+                   bf16:     s·b·h·(34 + 8·f/h)  + 8·sb + 4·asb + 8·s·h/a
+(q, k and v straight out of their matmuls are not saved: RoPE's muls keep only cos/sin.)
+
+Selective recompute (trainer/parallel/recompute.py saves the outputs of every
+matmul and of SDPA, recomputes norms, RoPE, SiLU and products) keeps the block
+input x (4·sbh, sp), q, k, v as the matmuls produced them (e·sbh + 2·e·s·b·kv_dim, tp),
+SDPA's output and logsumexp (tp), the outputs of wo and w2 (e·sbh each, full: a
+row-parallel matmul yields full-size partial sums before its reduction) and w1, w3
+(2·e·sbf, tp):  fp32 s·b·h·(20 + 8·kv/h) + 8·sbf + 4·asb;  bf16 s·b·h·(12 + 4·kv/h) + 4·sbf + 4·asb.
+Full recompute keeps only x (4·sbh, sp). Both recompute one block's activations
+in its backward (`working_set`). With tp the "tp" rows divide by t, the "sp"
+rows only with sequence_parallel; the "no" rows never do: DTensor's
+SequenceParallel saves the all-gathered norm output whole (Megatron saves the
+shard and gathers again in backward), so tp+sp does not reach Korthikanti's /t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.manifest.schema import ModelSection
+
+SPLITS = ("tp", "sp", "no")
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float  # for one microbatch, on one rank before any split
+    split: str  # "tp": divided by t; "sp": divided by t with sequence parallel; "no": never
+
+    def on_rank(self, tp: int, sp: bool) -> float:
+        if self.split == "tp" or (self.split == "sp" and sp):
+            return self.bytes / tp
+        return self.bytes
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes of what autocast produces (e), of the residual stream (r), and whether matmul inputs are cast
+    copies (autocast over fp32 weights) rather than the tensors themselves."""
+
+    bf16: bool
+    fsdp_bf16: bool = False  # zero3 with bf16: FSDP gathers bf16 parameters, the whole forward runs in bf16
+
+    @property
+    def e(self) -> int:
+        return 2 if self.bf16 else 4
+
+    @property
+    def r(self) -> int:
+        return 2 if self.fsdp_bf16 else 4
+
+    @property
+    def casts(self) -> bool:
+        return self.bf16 and not self.fsdp_bf16
+
+
+def _norm(prefix: str, sbh: float, sb: float, p: Precision, consumers: int) -> list[Term]:
+    out = []
+    if p.r == 4:
+        out.append(Term(f"{prefix} input (fp32 residual)", 4 * sbh, "sp"))
+        out.append(Term(f"{prefix}: x/rms in fp32", 4 * sbh, "sp"))
+    else:  # bf16 residual: the fp32 upcast and the bf16 x/rms are saved, the bf16 input is not
+        out += [Term(f"{prefix}: fp32 upcast of the input", 4 * sbh, "sp"), Term(f"{prefix}: x/rms in bf16", 2 * sbh, "sp")]
+    out.append(Term(f"{prefix}: 1/rms in fp32", 4 * sb, "sp"))
+    if p.casts:
+        out.append(Term(f"{prefix} output, one bf16 cast per consuming linear (x{consumers})", consumers * 2 * sbh, "no"))
+    else:
+        out.append(Term(f"{prefix} output", p.r * sbh, "no"))
+    return out
+
+
+def block_terms(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision) -> list[Term]:
+    """What one block keeps between its forward and its backward, for one microbatch (see the module docstring)."""
+    s, b, h, f, a = cfg.seq_len, micro_batch, cfg.dim, cfg.ffn_dim, cfg.heads
+    kv = cfg.n_kv_heads * (h // a)
+    sbh, sbf, sb, e = s * b * h, s * b * f, s * b, p.e
+    if recompute == "full":
+        return [Term("block input (checkpoint)", p.r * sbh, "sp")]
+    if recompute == "selective":
+        return [
+            Term("block input (checkpoint)", p.r * sbh, "sp"),
+            Term("q, k, v (matmul outputs)", e * (sbh + 2 * s * b * kv), "tp"),
+            Term("SDPA output", e * sbh, "tp"),
+            Term("SDPA logsumexp (fp32)", 4 * a * sb, "tp"),
+            Term("wo and w2 outputs (partial sums, full size)", 2 * e * sbh, "no"),
+            Term("w1 and w3 outputs", 2 * e * sbf, "tp"),
+        ]
+    if recompute != "none":
+        raise ValueError(f"unknown recompute mode {recompute!r}")
+    out = _norm("attention_norm", sbh, sb, p, 3)
+    out += [
+        Term("q after RoPE", e * sbh, "tp"),
+        Term("k, v repeated to all heads", 2 * e * sbh, "tp"),
+        Term("SDPA output", e * sbh, "tp"),
+        Term("SDPA logsumexp (fp32)", 4 * a * sb, "tp"),
+    ]
+    if p.casts:
+        out.append(Term("RoPE cos/sin cast to bf16", 4 * 2 * s * (h // a), "no"))
+    out += _norm("ffn_norm", sbh, sb, p, 2)
+    out.append(Term("w1 out, silu, w3 out, product", 4 * e * sbf, "tp"))
+    return out
+
+
+def head_terms(cfg: ModelSection, micro_batch: int, p: Precision) -> list[Term]:
+    """The final norm's saved tensors (the output matmul saves its input, the normed tensor)."""
+    s, b, h = cfg.seq_len, micro_batch, cfg.dim
+    return _norm("final norm", s * b * h, s * b, p, 1)
+
+
+def on_rank(terms: list[Term], tp: int, sp: bool) -> float:
+    return sum(t.on_rank(tp, sp) for t in terms)
+
+
+def block_bytes(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
+    """Bytes one block keeps per microbatch on one rank."""
+    return on_rank(block_terms(cfg, micro_batch, recompute, p), tp, sp)
+
+
+def working_set(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
+    """Extra bytes while one block's backward recomputes it: its full activations less what was kept."""
+    if recompute == "none":
+        return 0.0
+    return block_bytes(cfg, micro_batch, "none", p, tp, sp) - block_bytes(cfg, micro_batch, recompute, p, tp, sp)
+
+
+def logits_bytes(cfg: ModelSection, micro_batch: int, tp: int, holds_logits: bool = True) -> dict[str, float]:
+    """Bytes of the logits region on the rank holding the head, for one microbatch (V/t per rank under tp).
+
+    The loop (pp = 1) keeps the fp32 logits through the backward; the pipeline runtime keeps only what the
+    loss saved. With x = 4·b·s·V/t (one fp32 tensor of logits):
+
+    other     per other microbatch in flight: log_softmax output (+ logits in the loop)    x (2x)
+    loss      during the loss backward: + the nll gradient and the log_softmax gradient     3x (4x);
+              vocab-parallel cross-entropy (loss_parallel, tp > 1) holds one more
+    head_bwd  while the output matmul runs backward: the logits' gradient (+ logits)        x (2x)
+    after     what is left for the rest of the backward                                     0 (x)
+    grad      split backward: the logits' gradient, kept from B until the head's W           x
+    """
+    x = 4 * micro_batch * cfg.seq_len * cfg.vocab / tp
+    keep = x if holds_logits else 0.0
+    return {"other": x + keep, "loss": 3 * x + keep + (x if tp > 1 else 0.0), "head_bwd": x + keep, "after": keep, "grad": x}
+
+
+def weight_grad_inputs(cfg: ModelSection, micro_batch: int, p: Precision, tp: int = 1) -> float:
+    """Extra bytes per block a microbatch holds between its input-gradient pass (B) and its weight-gradient
+    pass (W) in a split-backward schedule: the graph stays (its activations are counted already) and the
+    gradients of every matmul output wait for W: q, k, v, w1, w3 (split over t) and wo, w2 (full)."""
+    s, b, h, f = cfg.seq_len, micro_batch, cfg.dim, cfg.ffn_dim
+    kv = cfg.n_kv_heads * (h // cfg.heads)
+    return p.e * ((s * b * (h + 2 * kv) + 2 * s * b * f) / tp + 2 * s * b * h)
+
+
+def coefficients(cfg: ModelSection, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> str:
+    """One block's bytes per microbatch on one rank as `s·b·h·C` with this model's f/h, kv/h and a folded
+    into C (+ the RoPE casts, which do not grow with b)."""
+    rope = 4 * 2 * cfg.seq_len * (cfg.dim // cfg.heads) if (recompute == "none" and p.casts) else 0
+    per = (block_bytes(cfg, 1, recompute, p, tp, sp) - rope) / (cfg.seq_len * cfg.dim)
+    return f"s·b·h·{per:.2f}" + (f" + {rope / 2**20:.1f} MiB RoPE casts" if rope else "")

@@ -1,0 +1,198 @@
+"""One function from a resolved manifest to the plan: memory per rank, FLOPs, step time, verdict.
+
+    from trainer.plan import estimate
+    plan = estimate(resolved, "h100")          # or a Device; capacity_gib= for --gpu-mem
+    plan.verdict                               # "fits: ..." / "does not fit by 3.2 GiB: ..."
+    plan.rows                                  # one row per pipeline rank: params, grads, ... peak
+    plan.timing.step_s, plan.timing.mfu
+
+Torch-free and fast (a few milliseconds without pp, the simulator's time with it):
+`mantra plan` answers in about a second, mostly Python start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from trainer.manifest import Resolved
+from trainer.manifest.schema import OptimizerName, Precision, Schedule
+from trainer.plan import activations as act
+from trainer.plan import memory
+from trainer.plan.devices import GIB, Device, get_device, usable_bytes
+from trainer.plan.flops import Shape, Timing, predict
+from trainer.plan.shapes import llama_params, local_numel, plan_buckets, rank_layers
+
+ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
+
+
+@dataclass(frozen=True)
+class RankRow:
+    rank: str  # "every rank", or "pp rank r" with a pipeline
+    layers: int
+    inflight: float  # activations held at once, in microbatches of the rank's blocks
+    phase: str  # the point of the step where the peak is
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    peak: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    name: str
+    device: Device
+    world: int
+    layout: dict[str, object]
+    precision: str  # bf16 (autocast over fp32 master weights) | fp32
+    rows: tuple[RankRow, ...]
+    capacity: float  # usable bytes per rank
+    timing: Timing
+    coefficients: dict[str, str]  # activation bytes of one block per microbatch, per recompute mode
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> float:
+        return max(r.peak for r in self.rows)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    @property
+    def verdict(self) -> str:
+        where = f"{self.capacity / GIB:.1f} GiB usable per {self.device.name}"
+        if self.fits:
+            return f"fits: peak {self.peak / GIB:.2f} GiB of {where}, {(self.capacity - self.peak) / GIB:.2f} GiB to spare"
+        return f"does not fit by {(self.peak - self.capacity) / GIB:.2f} GiB: peak {self.peak / GIB:.2f} GiB > {where}"
+
+    def to_json(self) -> dict[str, object]:
+        t = self.timing
+        return {
+            "name": self.name, "device": self.device.key, "device_name": self.device.name, "world_size": self.world,
+            "layout": self.layout, "precision": self.precision,
+            "memory": {"capacity_bytes": int(self.capacity), "peak_bytes": int(self.peak), "fits": self.fits,
+                       "verdict": self.verdict,
+                       "ranks": [{k: (int(v) if k in (*ROWS, "peak") else v) for k, v in asdict(r).items()} for r in self.rows]},
+            "time": {"model_flops_per_step": t.model_flops, "hardware_flops_per_step": t.hardware_flops,
+                     "compute_s": t.compute_s, "bubble_s": t.bubble_s, "tp_comm_s": t.tp_s, "dp_comm_exposed_s": t.dp_s,
+                     "optimizer_s": t.optimizer_s, "step_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+                     "assumed_efficiency": t.efficiency,
+                     "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
+            "activation_coefficients": self.coefficients, "notes": list(self.notes),
+        }
+
+
+def is_bf16(run: Resolved, device: Device) -> bool:
+    p = run.manifest.train.precision
+    return p == Precision.bf16 or (p == Precision.auto and device.precision == "bf16")
+
+
+def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
+    """Per pipeline rank, the distinct states in which a backward starts, read off the schedule's action list."""
+    p = run.manifest.parallel
+    if p.pp == 1:
+        return [memory.moments_without_pipeline(run.batch.microbatches)]
+    from trainer.parallel.pipeline import Kind
+    from trainer.plan.schedule import lists
+
+    last, v = p.pp * p.virtual_stages - 1, p.virtual_stages
+    out = []
+    for actions in lists(p.schedule.value, p.pp, run.batch.microbatches, v):
+        held = pending = head = 0
+        warm, seen = False, set()
+        for a in actions:
+            if a.kind == Kind.F:
+                held += 1
+                head += a.stage == last
+                continue
+            if a.kind in (Kind.B, Kind.BW):
+                seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last))
+            if a.kind == Kind.B:
+                pending += 1
+                continue
+            pending -= a.kind == Kind.W
+            held, warm = held - 1, True
+            head -= a.stage == last
+        out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss))))
+    return out
+
+
+def _inflight(moments: tuple[memory.Moment, ...]) -> float:
+    return max((m.held for m in moments), default=0.0)
+
+
+def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: float | None = None,
+             efficiency: float | None = None) -> Estimate:
+    """The plan for `run` on `device` (see the module docstring)."""
+    device = get_device(device) if isinstance(device, str) else device
+    m = run.manifest
+    cfg, p, train = m.model, m.parallel, m.train
+    if cfg.kind != "llama":
+        raise ValueError(f"mantra plan knows the llama model only, not model.kind '{cfg.kind}'")
+    bf16 = is_bf16(run, device)
+    v_style = p.schedule == Schedule.zb_v
+    layers = rank_layers(cfg.layers, p.pp, p.virtual_stages, p.stage_layers, v_style)
+    last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
+    moments = _moments(run)
+    params = llama_params(cfg)
+    sp = p.sequence_parallel and p.tp > 1
+    rows, setups = [], []
+    for r in range(p.pp):
+        held = set(layers[r])
+        mine = tuple(q for q in params if (q.layer in held) or (q.part == "embed" and r == 0)
+                     or (q.part == "head" and r == last_rank))
+        s = memory.Setup(
+            params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,
+            dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
+            bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
+            moments=moments[r], holds_logits=p.pp == 1, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
+            adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg)
+        setups.append(s)
+        pt = memory.peak(s)
+        rows.append(RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
+                            pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total))
+    timing = predict(_shape(run, setups, layers, bf16), device, efficiency)
+    prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
+    coeffs = {mode: act.coefficients(cfg, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "tp": p.tp, "sequence_parallel": sp,
+              "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
+              "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
+              "global_batch": run.batch.global_batch, "micro_batch": run.batch.micro_batch,
+              "microbatches": run.batch.microbatches}
+    return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
+                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing)))
+
+
+def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], bf16: bool) -> Shape:
+    m, p = run.manifest, run.manifest.parallel
+    stage_params = tuple(sum(local_numel(q, p.tp) for q in s.params) for s in setups)
+    owned = max(memory.states(s)["owned"] for s in setups)
+    mode = setups[0].mode
+    if mode in ("none", "zero1", "zero2"):
+        plan = plan_buckets([local_numel(q, p.tp) for q in reversed(setups[0].params)], int(p.bucket_mb * 2**18), 1)
+        share = plan.largest / max(plan.total, 1)
+    else:
+        share = 1 / max(m.model.layers, 1)
+    from trainer.models.llama.config import flops_per_token
+
+    sp = p.sequence_parallel and p.tp > 1
+    remat = tuple(len(x) * act.working_set(m.model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)
+                  for x in layers)
+    return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard, mode,
+                 p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
+                 bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
+                 share, flops_per_token(m.model), run.tokens_per_step, remat)
+
+
+def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:
+    p = run.manifest.parallel
+    out = [f"step time assumes {t.efficiency:.0%} of the {device.peak_tflops:g} TFLOP/s peak for compute "
+           "(trainer/plan/flops.py: EFFICIENCY); memory does not depend on it"]
+    if p.cp > 1:
+        out.append("context parallel is not modelled")
+    if not device.is_gpu and run.dp_shard > 1:
+        out.append("on gloo, reduce-scatter also clones its input for the length of the collective (not counted)")
+    return out

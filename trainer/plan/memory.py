@@ -1,0 +1,252 @@
+"""Bytes per rank: model states per sharding, activations per schedule, and the peak over a step.
+
+Model states, bytes per parameter (Ψ parameters, d = dp_shard, Adam's two moments):
+
+    fp32 Adam, our path on every device (params 4 + grads 4 + moments 8):
+        none 16          zero1 4 + 4 + 8/d          zero2 4 + (4 + 8)/d          zero3 16/d
+    Megatron, bf16 params + fp32 grads + fp32 master and moments: 2 + 4 + 12 = 18,
+        with the distributed optimizer 6 + 12/d (bf16 params and fp32 grads stay whole)
+    ZeRO paper (Rajbhandari et al. 2020), mixed precision, K = 12:  baseline (2 + 2 + K)Ψ;
+        P_os 2Ψ + 2Ψ + KΨ/N_d;  P_os+g 2Ψ + (2 + K)Ψ/N_d;  P_os+g+p (2 + 2 + K)Ψ/N_d
+
+What our code does: bf16 is autocast over fp32 master weights, so parameters and
+gradients are fp32 everywhere and the fp32 row applies on a GPU too. Autocast
+adds, per microbatch in flight, a bf16 copy of each weight matrix it multiplies
+(2 B per block/head parameter, from the layer's forward to its backward); zero3
+instead gathers bf16 parameters (FSDP2's MixedPrecisionPolicy) one block at a time.
+Tensor parallel divides the matrices by t (norm weights stay whole). Gradients of
+none/zero1 live in padded fp32 buckets (trainer/parallel/buckets.py), zero2 keeps the
+owned 1/d shard and one bucket on demand, zero3 accumulates unsharded gradients over
+the microbatches that skip the reduce-scatter; one rank alone (dp = 1) keeps plain
+`.grad`s. SGD (no momentum) has no state. The foreach AdamW of a CPU needs one
+temporary the size of the decayed parameters (√v); the fused CUDA kernel none.
+
+The peak is the largest of a few points of the step (`Point`): the loss backward
+(all activations + the logits region), the head's backward (+ the first gradients,
+zero2's first bucket, zero3's gathered root and prefetched block), the first block's
+backward (+ its gradients, zero3's gathered block, recompute's working set), the
+optimizer step (+ its temporaries) and zero1/2's parameter all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.plan import activations as act
+from trainer.plan.shapes import Param, fsdp_numel, local_numel, plan_buckets
+
+MAX_IN_FLIGHT = 2
+
+def bytes_per_param(sharding: str, d: int) -> tuple[float, float, float]:
+    """(params, grads, Adam states) bytes per parameter of our fp32 path, d = dp_shard (the table above)."""
+    return {"none": (4, 4, 8), "zero1": (4, 4, 8 / d), "zero2": (4, 4 / d, 8 / d), "zero3": (4 / d, 4 / d, 8 / d)}[sharding]
+
+
+def megatron_bytes_per_param(d: int, distributed_optimizer: bool) -> float:
+    """Megatron bf16 training: bf16 params 2 + fp32 grads 4 + fp32 master weights and moments 12 = 18;
+    the distributed optimizer shards the 12 over d: 6 + 12/d."""
+    return 6 + 12 / d if distributed_optimizer else 18
+
+
+def zero_paper_bytes_per_param(stage: int, d: int, k: int = 12) -> float:
+    """ZeRO (Rajbhandari et al. 2020), mixed-precision Adam with K = 12 bytes of optimizer state:
+    stage 0 (2 + 2 + K), 1 (P_os) 2 + 2 + K/N_d, 2 (P_os+g) 2 + (2 + K)/N_d, 3 (P_os+g+p) (2 + 2 + K)/N_d."""
+    return {0: 2 + 2 + k, 1: 2 + 2 + k / d, 2: 2 + (2 + k) / d, 3: (2 + 2 + k) / d}[stage]  # trainer.parallel.buckets.MAX_IN_FLIGHT: reduce-scatters holding temporaries
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What a rank holds when a backward pass starts there (read off the schedule's action list)."""
+
+    held: float  # microbatches of activations held, in units of the rank's whole set of blocks, this one included
+    pending_w: float = 0.0  # microbatches whose input-gradient pass ran and whose weight-gradient pass has not
+    warm: bool = False  # gradients of earlier microbatches of this step exist
+    head: int = 0  # microbatches whose loss activations the last stage holds (this one included)
+    at_loss: bool = True  # this backward starts at the loss (on the last stage)
+
+
+def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
+    """pp = 1: one microbatch at a time; from the second on, the first's gradients exist."""
+    first = Moment(1.0, head=1)
+    return (first, Moment(1.0, warm=True, head=1)) if grad_accum > 1 else (first,)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the memory model needs to know about one pipeline rank's share of the run."""
+
+    params: tuple[Param, ...]  # the parameters this pipeline rank holds
+    layers: int  # blocks on this rank
+    first: bool  # holds the embedding
+    last: bool  # holds the head and the loss
+    tp: int
+    sp: bool
+    dp: int
+    dp_shard: int
+    sharding: str  # none | zero1 | zero2 | zero3 (as the manifest says)
+    recompute: str
+    bf16: bool
+    micro_batch: int
+    loaded: int  # microbatches whose token tensors are loaded at once (the whole step's)
+    moments: tuple[Moment, ...]  # the states in which a backward starts (from the schedule)
+    holds_logits: bool  # the loop keeps a microbatch's logits through its backward (pp = 1)
+    chunks: int  # virtual stages per rank
+    bucket_bytes: int
+    adamw: bool
+    fused: bool
+    cfg: object = field(repr=False, default=None)  # the ModelSection
+
+    @property
+    def mode(self) -> str:
+        """The gradient path that runs: 'local' (one dp rank: plain .grad) or the sharding."""
+        return "local" if self.dp == 1 else self.sharding
+
+    @property
+    def precision(self) -> act.Precision:
+        return act.Precision(self.bf16, fsdp_bf16=self.bf16 and self.mode == "zero3")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One moment of the step and what is alive then (bytes, by the rows `mantra plan` shows)."""
+
+    name: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float  # communication buckets, gathered parameters, autocast copies, temporaries, token tensors
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+
+
+def _elems(s: Setup, keep) -> int:
+    return sum(local_numel(p, s.tp) for p in s.params if keep(p))
+
+
+def states(s: Setup) -> dict[str, float]:
+    """Persistent bytes: parameters, optimizer states, gradient storage between steps, and the rest."""
+    cfg = s.cfg
+    total = _elems(s, lambda p: True)
+    decayed = _elems(s, lambda p: p.is_matrix)
+    out: dict[str, float] = {"rope": 2 * cfg.seq_len * (cfg.dim // cfg.heads) * 4, "tokens": 16 * s.micro_batch * cfg.seq_len * s.loaded}
+    if s.mode == "zero3":
+        shard = sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params)
+        out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params if p.is_matrix),
+                "grad_persistent": 0.0, "grad_step": 4 * shard, "tensors": len(s.params)}
+    elif s.mode in ("none", "zero1", "zero2"):
+        shards = 1 if s.mode == "none" else s.dp_shard
+        plan = plan_buckets([local_numel(p, s.tp) for p in reversed(s.params)], max(s.bucket_bytes // 4, 1), shards)
+        owned = plan.shard_total if shards > 1 else total
+        grad = 4 * (plan.shard_total if s.mode == "zero2" else plan.total)
+        out |= {"params": 4 * total, "owned": owned, "owned_decayed": decayed * owned / max(total, 1),
+                "grad_persistent": grad, "grad_step": grad, "bucket": 4 * plan.largest, "bucket_shard": 4 * plan.largest / shards,
+                "buckets": len(plan.sizes), "tensors": len(s.params) / shards + len(plan.sizes)}
+    else:  # local
+        out |= {"params": 4 * total, "owned": total, "owned_decayed": decayed, "grad_persistent": 0.0,
+                "grad_step": 4 * total, "tensors": len(s.params)}
+    if s.chunks > 1 and s.mode != "local":  # the pipeline keeps a full .grad per parameter during a multi-chunk step
+        out["grad_step"] += 4 * total
+    out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
+    out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
+    return out
+
+
+def _tp_embedding_grad(s: Setup) -> float:
+    """Under tp the vocab-parallel embedding's gradient covers the whole vocabulary on every rank (a Partial
+    from the masked lookup, made Replicate by reduce_partial_grads): V·h·4 bytes instead of V·h·4/t."""
+    if s.tp == 1 or not s.first:
+        return 0.0
+    return 4 * s.cfg.vocab * s.cfg.dim * (1 - 1 / s.tp)
+
+
+def _sizes(s: Setup) -> dict[str, float]:
+    """Bytes that do not depend on the moment: per-block activations, weight copies, gathered units, gradients."""
+    cfg, p = s.cfg, s.precision
+    st = states(s)
+    unit = 2 if p.bf16 else 4  # zero3 gathers bf16 parameters under bf16
+    blocks = [q for q in s.params if q.layer is not None]
+    per_block = [q for q in blocks if q.layer == blocks[0].layer] if blocks else []
+    zero3 = s.mode == "zero3"
+    # autocast's bf16 weight copies, saved by the matmuls: the head's, and the blocks' unless a checkpoint
+    # drops them (recompute casts again in the backward); one set per microbatch in flight
+    matrices = sum(local_numel(q, s.tp) for q in s.params if q.is_matrix and q.part != "embed"
+                   and (q.part == "head" or s.recompute == "none"))
+    return st | {
+        "block": act.block_bytes(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "wgrad": act.weight_grad_inputs(cfg, s.micro_batch, p, s.tp),
+        "head_per": act.on_rank(act.head_terms(cfg, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
+        "ws": act.working_set(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "casts": 2 * matrices if p.casts else 0.0,
+        "full_grads": 4 * _elems(s, lambda q: True),
+        "u_blk": unit * sum(local_numel(q, s.tp) for q in per_block) if zero3 else 0.0,
+        "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard)[1] for q in per_block) if zero3 else 0.0,
+        "u_root": unit * sum(local_numel(q, s.tp) for q in s.params if q.layer is None) if zero3 else 0.0,
+        "g_blk": 4 * sum(local_numel(q, s.tp) for q in per_block),
+    }
+
+
+def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
+    """The candidate peaks when one backward starts in moment `m`."""
+    cfg, p, st = s.cfg, s.precision, z
+    sbh, e = cfg.seq_len * s.micro_batch * cfg.dim, p.e
+    acts = s.layers * (m.held * z["block"] + m.pending_w * z["wgrad"])
+    head_per = z["head_per"]
+    head = head_per * m.head
+    lg = act.logits_bytes(cfg, s.micro_batch, s.tp, s.holds_logits)
+    n_others = max(m.head - 1, 0) if m.at_loss else m.head  # other microbatches the last stage holds
+    # their saved log-softmax, and the logits' gradient of each microbatch whose weight-gradient pass waits
+    others = lg["other"] * n_others + lg["grad"] * m.pending_w if s.last else 0.0
+    autocast = z["casts"] * max(1.0, m.held + m.pending_w)
+    other = st["rope"] + st["tokens"]
+    g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
+    if m.warm and s.mode in ("local", "zero3"):
+        g_before += z["full_grads"] + _tp_embedding_grad(s)
+    elif m.warm and s.chunks > 1:
+        g_before += z["full_grads"]
+    base = dict(params=st["params"], optimizer=st["optimizer"])
+    head_w = 4 * cfg.vocab * cfg.dim / s.tp if s.last and not cfg.tie_embeddings else 0.0
+    # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
+    u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
+    out = []
+    if s.last and m.at_loss:
+        out.append(Point("loss backward", grads=g_before, activations=acts + head, logits=others + lg["loss"],
+                         buffers=other + autocast, **base))
+        out.append(Point("head backward", grads=g_before + head_w, activations=acts + head, logits=others + lg["head_bwd"],
+                         buffers=other + autocast + 4 * sbh + u_root + ag_blk, **base))
+        if s.mode == "zero2":  # its hook opens the first bucket; the logits' gradient is gone by then
+            out.append(Point("first gradient bucket", grads=g_before + head_w, activations=acts + head,
+                             logits=others + lg["after"], buffers=other + autocast + 4 * sbh + st["bucket"], **base))
+    if s.layers:
+        ws = z["ws"]
+        tmp = 4 * sbh + 2 * e * cfg.seq_len * s.micro_batch * cfg.ffn_dim / s.tp  # gradients flowing through the block
+        # this block's new gradients; the head's stay too where nothing takes them away before the step (a first
+        # microbatch's .grad, zero3's root unit, reduced only after the embedding at the end of the backward)
+        new = g_blk + (head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0)
+        extra = {"zero2": st.get("bucket", 0.0), "zero3": u_root + u_blk + ag_blk}.get(s.mode, 0.0)
+        left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
+        out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
+                         logits=left, buffers=other + autocast + extra + tmp, **base))
+    return out
+
+
+def points(s: Setup) -> list[Point]:
+    """The candidate peaks of one step on this rank (see the module docstring)."""
+    st = _sizes(s)
+    out = [pt for m in s.moments for pt in _moment_points(s, st, m)]
+    base = dict(params=st["params"], optimizer=st["optimizer"])
+    other = st["rope"] + st["tokens"]
+    out.append(Point("optimizer step", grads=st["grad_step"], activations=0.0, logits=0.0,
+                     buffers=other + st["opt_temp"], **base))
+    if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
+        n = min(st["buckets"], MAX_IN_FLIGHT + 1)
+        out.append(Point("parameter all-gather", grads=st["grad_persistent"], activations=0.0, logits=0.0,
+                         buffers=other + n * (st["bucket"] + st["bucket_shard"]), **base))
+    return out
+
+
+def peak(s: Setup) -> Point:
+    return max(points(s), key=lambda pt: pt.total)

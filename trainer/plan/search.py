@@ -1,0 +1,195 @@
+"""`mantra plan --search`: the fastest layouts that fit, each as `--set` overrides that validate.
+
+    found = search("manifests/llama3-8b.yaml", gpus=64, gpu_mem=80, device="h100")
+    for c in found.best:                 # at most `top`, fastest first, every one fits
+        print(c.set_line, c.estimate.timing.step_s)
+
+Enumerates dp_replicate x dp_shard x tp (with sequence parallel) x pp x schedule x
+micro_batch x recompute x optimizer_sharding for the given number of GPUs, keeping
+the manifest's global batch. Each candidate goes through the manifest's own
+validation (schema, cross-field rules, resolve) exactly as `--set` overrides on
+the file would, so a suggestion that is printed is one `mantra validate` accepts;
+the winners are validated once more through `load_manifest` itself. Candidates
+are ranked by predicted step time among those whose predicted peak fits.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from trainer.manifest import ManifestError, Resolved, load_manifest
+from trainer.manifest.resolve import Unresolvable, resolve
+from trainer.manifest.rules import check
+from trainer.manifest.schema import LauncherKind
+from trainer.manifest.source import SourceTree, apply_override, load_source
+from trainer.manifest.validate import validate_schema
+from trainer.plan.devices import Device, get_device
+from trainer.plan.estimate import Estimate, estimate
+
+SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
+RECOMPUTE = ("none", "selective", "full")
+MAX_TP = 8  # tensor parallel stays inside a node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: tuple[str, ...]
+    estimate: Estimate
+
+    @property
+    def set_line(self) -> str:
+        return " ".join(f"--set {o}" for o in self.overrides)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: tuple[Candidate, ...]
+    tried: int  # layouts enumerated
+    valid: int  # that passed the manifest's validation
+    fitting: int  # whose predicted peak fits
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _parse(override: str) -> tuple[tuple[str, ...], object]:
+    """`section.key=value` -> (path, value), the value read as YAML as `--set` reads it."""
+    key, _, raw = override.partition("=")
+    return tuple(key.split(".")), yaml.safe_load(raw)
+
+
+def _validate(tree: SourceTree, overrides: Sequence[str], source: str) -> Resolved | None:
+    """The manifest's own schema validation, cross-field rules and resolve on the parsed file with `overrides`
+    set: the resolved run, or None when it does not validate. (The suggestions printed are validated once
+    more through load_manifest with the --set strings themselves.)"""
+    data = copy.deepcopy(tree.data)
+    for path, value in map(_parse, overrides):
+        section = data
+        for part in path[:-1]:
+            section = section.setdefault(part, {})
+        section[path[-1]] = value
+    t = SourceTree(data, tree.source, tree.key_locations, tree.value_locations)
+    try:
+        manifest, errors = validate_schema(t)
+        if manifest is None or any(d.severity == "error" for d in check(manifest, t)):
+            return None
+        return resolve(manifest, source)
+    except (ManifestError, Unresolvable):
+        return None
+
+
+def _plausible(cfg, tp: int, pp: int, v: int, microbatches: int, schedule: str) -> bool:
+    """Arithmetic every layout must pass (a cheap filter before the real validation, which decides)."""
+    if cfg.heads % tp or cfg.n_kv_heads % tp or cfg.vocab % tp or cfg.ffn_dim % tp or cfg.seq_len % tp:
+        return False
+    if cfg.layers % (pp * v):
+        return False
+    if pp > 1 and (microbatches < pp or (schedule == "interleaved-1f1b" and microbatches % pp)):
+        return False
+    return True
+
+
+def _changes(base: Resolved, overrides: Sequence[str]) -> list[str]:
+    """The overrides that change what the file says (setting a key to the value it has is a no-op)."""
+    written = base.manifest.model_dump(mode="json")
+    out = []
+    for o in overrides:
+        path, value = _parse(o)
+        current = written
+        for part in path:
+            current = current.get(part) if isinstance(current, dict) else None
+        if isinstance(current, list):
+            current = list(current)
+        if current != value:
+            out.append(o)
+    return out
+
+
+def _world(base: Resolved, gpus: int, device: Device) -> list[str] | None:
+    """Overrides that give the run `gpus` ranks: Slurm nodes of up to a node's GPUs, or local ranks."""
+    if base.manifest.launcher.kind == LauncherKind.slurm:
+        per_node = min(device.gpus_per_node, gpus)
+        if gpus % per_node:
+            return None
+        return [f"launcher.slurm.nodes={gpus // per_node}", f"launcher.slurm.gpus_per_node={per_node}"]
+    return [f"launcher.nproc={gpus}"]
+
+
+def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
+    """Every layout to try, as --set overrides (the world first, then the parallel degrees and the batch)."""
+    m = base.manifest
+    cfg, g = m.model, base.batch.global_batch
+    world = _world(base, gpus, device)
+    if world is None:
+        return
+    for tp in [t for t in _divisors(gpus) if t <= min(MAX_TP, device.gpus_per_node)]:
+        for pp in [p for p in _divisors(gpus // tp) if cfg.layers % p == 0]:
+            dp = gpus // (tp * pp)
+            if g % dp:
+                continue
+            schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
+            for sharding in ("none", "zero1", "zero2", "zero3"):
+                if sharding == "zero3" and pp > 1:
+                    continue
+                shards = {1} if sharding == "none" or dp == 1 else {dp, min(dp, max(device.gpus_per_node // tp, 1))}
+                for shard in sorted(s for s in shards if dp % s == 0):
+                    for name, v in schedules:
+                        for mb in [d for d in _divisors(g // dp) if d <= 64]:
+                            if not _plausible(cfg, tp, pp, v, g // (mb * dp), name):
+                                continue
+                            for rc in RECOMPUTE:
+                                yield world + [
+                                    f"parallel.dp_replicate={dp // shard}", f"parallel.dp_shard={shard}",
+                                    f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
+                                    f"parallel.pp={pp}", f"parallel.schedule={name}", f"parallel.virtual_stages={v}",
+                                    "parallel.stage_layers=null", f"parallel.optimizer_sharding={sharding}",
+                                    f"train.global_batch={g}", f"train.micro_batch={mb}",
+                                    f"parallel.microbatches={g // (mb * dp)}", f"train.activation_checkpointing={rc}",
+                                ]
+
+
+def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device: Device | str = "h100",
+           overrides: Sequence[str] = (), top: int = 5, efficiency: float | None = None) -> SearchResult:
+    """The `top` fastest layouts of `path` on `gpus` devices that fit in `gpu_mem` GiB each (see the module docstring)."""
+    device = get_device(device) if isinstance(device, str) else device
+    base, _ = load_manifest(path, overrides)
+    tree = load_source(path)
+    for o in overrides:
+        apply_override(tree, o)
+    tree = SourceTree(tree.data, tree.source)  # locations are not needed to accept or reject
+    tried = valid = 0
+    fitting: list[Candidate] = []
+    seen: set[tuple] = set()
+    for extra in layouts(base, gpus, device):
+        tried += 1
+        run = _validate(tree, extra, str(path))
+        if run is None:
+            continue
+        p = run.manifest.parallel
+        key = (run.dp_replicate, run.dp_shard, p.tp, p.pp, p.schedule, p.virtual_stages, p.optimizer_sharding,
+               run.batch.micro_batch, run.manifest.train.activation_checkpointing)
+        if key in seen:
+            continue
+        seen.add(key)
+        valid += 1
+        plan = estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency)
+        if plan.fits:
+            fitting.append(Candidate(tuple(extra), plan))
+    fitting.sort(key=lambda c: (c.estimate.timing.step_s, c.estimate.peak))
+    best = []
+    for c in fitting:
+        if len(best) == top:
+            break
+        line = _changes(base, c.overrides)
+        try:
+            load_manifest(path, [*overrides, *line])  # the real entry point, with the very --set strings printed
+        except (ManifestError, Unresolvable):
+            continue
+        best.append(Candidate(tuple(line), c.estimate))
+    return SearchResult(tuple(best), tried, valid, len(fitting))
