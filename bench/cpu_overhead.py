@@ -1,7 +1,7 @@
 """mantra's training step against a plain PyTorch loop: same tiny model, batch and data, same process.
 
-    python bench/cpu_overhead.py                      # prints one JSON line
-    python bench/cpu_overhead.py --steps 20 --repeats 3
+    python bench/cpu_overhead.py                      # one JSON line per layout: 1 rank, dp2 zero2
+    python bench/cpu_overhead.py --layout "1 rank" --steps 20 --repeats 3
 
 mantra is timed through its real entry point, `trainer.loop.train`, with
 everything it does per step (data, forward/backward per microbatch, clip,
@@ -9,13 +9,18 @@ optimizer, LR schedule, metrics every `logging.every` steps). Start-up is
 cancelled out by timing a long and a short run and dividing the difference by
 the difference in steps. The plain loop is what one would write by hand
 (nanoGPT-style batches from the same token array, AdamW, clip), timed the same
-way. Runs alternate so drift on a shared machine hits both. Goal: ratio <= 1.05.
+way. Runs alternate so drift on a shared machine hits both. On 2 ranks mantra
+(zero2) runs against a hand-written torch DDP loop on the same ranks. Goal: ratio <= 1.05.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
+import sys
 import statistics
 import tempfile
 import time
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.loop import train
@@ -33,22 +39,34 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "tiny-cpu.yaml"
 
 
-def mantra_seconds(steps: int, run_dir: Path) -> float:
+LAYOUTS = {  # name -> (ranks, manifest overrides for mantra)
+    "1 rank": (1, []),
+    "dp2 zero2": (2, ["parallel.optimizer_sharding=zero2"]),
+}
+
+
+def mantra_seconds(steps: int, run_dir: Path, overrides: list[str]) -> float:
+    world = int(os.environ.get("WORLD_SIZE", 1))
     run, _ = load_manifest(MANIFEST, [f"train.steps={steps}", "logging.sinks=[jsonl]", f"logging.dir={run_dir}",
-                                      f"data.path={ROOT / 'manifests/data/python-docs.txt'}", "optimizer.warmup=0"])
+                                      f"data.path={ROOT / 'manifests/data/python-docs.txt'}", "optimizer.warmup=0",
+                                      f"launcher.nproc={world}", *overrides])
     start = time.perf_counter()
     train(run)
     return time.perf_counter() - start
 
 
 def plain_seconds(steps: int) -> float:
-    """The loop one writes by hand, on the same model, batch shape and corpus."""
+    """The loop one writes by hand (torch DDP when there are several ranks), same model, batch and corpus."""
     start = time.perf_counter()
-    run, _ = load_manifest(MANIFEST, [f"data.path={ROOT / 'manifests/data/python-docs.txt'}"])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    run, _ = load_manifest(MANIFEST, [f"data.path={ROOT / 'manifests/data/python-docs.txt'}", f"launcher.nproc={world}"])
     m = run.manifest
     spec = get_model_spec(m.model.kind)
     model = spec.build(m.model)
     spec.init_weights(model, m.train.seed)
+    if world > 1:
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": m.optimizer.weight_decay}, {"params": rest, "weight_decay": 0.0}],
@@ -57,16 +75,19 @@ def plain_seconds(steps: int) -> float:
     seq, mb, accum = m.model.seq_len, run.batch.micro_batch, run.batch.microbatches
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        for _ in range(accum):
+        for i in range(accum):
             ix = torch.randint(len(data) - seq - 1, (mb,), generator=gen)
             x = torch.stack([data[i:i + seq] for i in ix])
             y = torch.stack([data[i + 1:i + 1 + seq] for i in ix])
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-            (loss / accum).backward()
+            with model.no_sync() if world > 1 and i < accum - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+                (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), m.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     loss.item()
+    if world > 1:
+        dist.destroy_process_group()
     return time.perf_counter() - start
 
 
@@ -74,24 +95,42 @@ def per_step(fn, short: int, long: int) -> float:
     return (fn(long) - fn(short)) / (long - short)
 
 
+def measure(layout: str, steps: int, repeats: int) -> None:
+    overrides = LAYOUTS[layout][1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mantra_runs, plain_runs = [], []
+        for i in range(repeats):
+            mantra_runs.append(per_step(lambda s: mantra_seconds(s, Path(tmp) / f"r{i}-{s}", overrides), 5, steps))
+            plain_runs.append(per_step(plain_seconds, 5, steps))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    mantra_s, plain_s = statistics.median(mantra_runs), statistics.median(plain_runs)
+    print(json.dumps({
+        "bench": "cpu_overhead", "layout": layout, "plain": "torch DDP loop" if LAYOUTS[layout][0] > 1 else "plain loop",
+        "manifest": "manifests/tiny-cpu.yaml",
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "mantra_step_s": round(mantra_s, 5), "plain_step_s": round(plain_s, 5), "ratio": round(mantra_s / plain_s, 4),
+        "mantra_runs_s": [round(x, 5) for x in mantra_runs], "plain_runs_s": [round(x, 5) for x in plain_runs],
+    }), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="steps of the long run (the short one runs 5)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", choices=list(LAYOUTS), action="append", help="default: every layout")
     args = parser.parse_args()
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        mantra_runs, plain_runs = [], []
-        for i in range(args.repeats):
-            mantra_runs.append(per_step(lambda s: mantra_seconds(s, Path(tmp) / f"r{i}-{s}"), 5, args.steps))
-            plain_runs.append(per_step(plain_seconds, 5, args.steps))
-    mantra_s, plain_s = statistics.median(mantra_runs), statistics.median(plain_runs)
-    print(json.dumps({
-        "bench": "cpu_overhead", "layout": "1 rank", "manifest": "manifests/tiny-cpu.yaml",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "mantra_step_s": round(mantra_s, 5), "plain_step_s": round(plain_s, 5), "ratio": round(mantra_s / plain_s, 4),
-        "mantra_runs_s": [round(x, 5) for x in mantra_runs], "plain_runs_s": [round(x, 5) for x in plain_runs],
-    }))
+    if "RANK" in os.environ:  # a rank started below
+        measure(args.layout[0], args.steps, args.repeats)
+        return
+    for layout in args.layout or list(LAYOUTS):
+        ranks = LAYOUTS[layout][0]
+        if ranks == 1:
+            measure(layout, args.steps, args.repeats)
+            continue
+        subprocess.check_call([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                               __file__, "--layout", layout, "--steps", str(args.steps), "--repeats", str(args.repeats)])
 
 
 if __name__ == "__main__":

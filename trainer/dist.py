@@ -6,6 +6,7 @@ LOCAL_RANK; a plain `mantra run` of one rank sets none and runs in-process.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,3 +59,6 @@ def init_distributed(info: RankInfo, device: torch.device, timeout_s: int = 300)
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+        # DeviceMesh keeps its gloo groups in reference cycles: collect them now, or their threads race
+        # interpreter exit and the process aborts ("terminate called without an active exception")
+        gc.collect()

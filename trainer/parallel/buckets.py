@@ -21,6 +21,7 @@ the same collectives in the same order.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,19 +104,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def local_grad(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor grad whose placements hold Partial (norm weights under sequence parallel) is summed
-    over its mesh first: the buffers hold local shards, which must be complete values."""
+def local_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient as a plain tensor laid out like the parameter's local shard. A DTensor grad
+    is redistributed to the parameter's placements first: Partial (norm weights under sequence
+    parallel) is summed over its mesh, and a grad that came back replicated is cut to the shard."""
     if isinstance(grad, DTensor):
-        if any(isinstance(pl, Partial) for pl in grad.placements):
+        if isinstance(param, DTensor) and grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        elif any(isinstance(pl, Partial) for pl in grad.placements):
             grad = grad.redistribute(grad.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in grad.placements])
         grad = grad.to_local()
     return grad
 
 
+def _hook(reducer: weakref.ref, i: int, param: torch.nn.Parameter) -> None:
+    target = reducer()
+    if target is not None:
+        target._on_grad(i, param)
+
+
 @dataclass
 class _InFlight:
-    work: dist.Work | None
+    work: dist.Work
     finalize: Callable[[], None]
 
 
@@ -143,7 +153,8 @@ class GradReducer:
         self._fresh_step = True
         self._queue: deque[_InFlight] = deque()
         self._tail: list[_InFlight] = []
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+        me = weakref.ref(self)  # params must not keep the reducer (and its process groups) alive in a cycle
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
                          for i, p in enumerate(self.params)]
 
     # -- memory accounting ---------------------------------------------------------------------
@@ -209,9 +220,11 @@ class GradReducer:
         self._fired[i] = True
         self.hook_calls[name] += 1
         with torch.no_grad():
-            grad = local_grad(param.grad)
+            grad = local_grad(param.grad, param)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + grad.nbytes)
             b, off, n = self.where[i]
+            if grad.numel() != n:
+                raise RuntimeError(f"gradient of {name} has {grad.numel()} local elements, its parameter {n}")
             self._storage(b)[off:off + n].add_(grad.reshape(-1))
             param.grad = None  # gradient-accumulation fusion: the buffer is the only copy
             self._pending[b] -= 1
@@ -274,9 +287,10 @@ class GradReducer:
         return out.copy_(t)
 
     def _drain(self, keep: int) -> None:
-        """Finish the oldest collectives (launch order, so every rank agrees) until `keep` remain;
-        ones already complete are finished too, releasing their temporaries early."""
-        while self._queue and (len(self._queue) > keep or self._queue[0].work.is_completed()):
+        """Finish the oldest collectives until `keep` remain. Only by count, never by polling for
+        completion: every rank then issues the HSDP all-reduces at the same points (no cross-group
+        ordering hazard) and the peak memory is the same on every run."""
+        while len(self._queue) > keep:
             entry = self._queue.popleft()
             entry.work.wait()
             entry.finalize()

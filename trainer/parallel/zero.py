@@ -5,8 +5,8 @@ All three are one design with three settings (d = dp_shard):
     mode   gradient buffer per rank        collective per bucket (last microbatch unless noted)   optimizer states
     none   full (persistent)               all-reduce over dp                                       whole model
     zero1  full (persistent)               reduce-scatter over dp_shard (+ all-reduce over replicas) 1/d
-    zero2  1/d (persistent) + 1 bucket     reduce-scatter every microbatch, bucket freed right after 1/d
-           in flight at a time
+    zero2  1/d (persistent) + the few       reduce-scatter every microbatch, bucket freed right after 1/d
+           buckets in flight
 
 zero1 reduce-scatters rather than all-reduces: a rank only ever reads the reduced gradient of
 its own shard, and reduce-scatter + the parameter all-gather after the step move the same bytes
@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.optim import build_optimizer
-from trainer.parallel.buckets import DPGroups, GradReducer
+from trainer.parallel import zero_state
+from trainer.parallel.buckets import Bucket, DPGroups, GradReducer
 from trainer.parallel.memory import tensor_bytes
 
 
@@ -52,6 +53,11 @@ def dp_groups(mesh, mode: str) -> DPGroups:
         replicate=replicate.get_group() if replicate.size() > 1 else None,
         dp=shard.size() * replicate.size(),
     )
+
+
+def all_gather_in_place(full: torch.Tensor, lo: int, hi: int, group: dist.ProcessGroup) -> dist.Work:
+    """Fill `full` from every rank's [lo, hi) (this rank's piece is already in place), asynchronously."""
+    return dist.all_gather_single(full, full[lo:hi].clone(), group=group, async_op=True)
 
 
 def _group(mesh, name: str) -> dist.ProcessGroup | None:
@@ -79,8 +85,8 @@ class BucketSync:
         self.groups = dp_groups(mesh, self.mode)
         self.tp_group, self.pp_group = _group(mesh, "tp"), _group(mesh, "pp")
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        bucket_bytes = bucket_bytes or int(getattr(p, "bucket_mb", 25.0) * 2**20)
-        comm = torch.bfloat16 if getattr(getattr(p, "reduce_dtype", None), "value", "fp32") == "bf16" else torch.float32
+        bucket_bytes = bucket_bytes or int(p.bucket_mb * 2**20)
+        comm = torch.bfloat16 if p.reduce_dtype.value == "bf16" else torch.float32
         self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm)
         self.slices = self._owned_slices()
         self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
@@ -164,20 +170,21 @@ class BucketSync:
     @torch.no_grad()
     def _gather_params(self) -> None:
         """Every rank updated its own slices in place; all-gather each bucket's shards so every rank holds
-        whole parameters (pack the owned slices, all_gather_single, unpack); two buckets in flight."""
+        whole parameters again (pack the owned slices, gather, unpack), two buckets in flight."""
         r, rank, queue = self.reducer, self.groups.shard_rank, []
         for bucket in r.buckets:
-            shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=r.device)
+            full = torch.zeros(bucket.size, dtype=torch.float32, device=r.device)
+            lo, hi = bucket.shard_range(rank)
             for piece in bucket.owned(rank):
-                shard[piece.at:piece.at + piece.end - piece.start].copy_(r.locals[piece.param].view(-1)[piece.start:piece.end])
-            full = torch.empty(bucket.size, dtype=torch.float32, device=r.device)
-            queue.append((dist.all_gather_single(full, shard, group=self.groups.shard, async_op=True), full, bucket))
+                at = lo + piece.at
+                full[at:at + piece.end - piece.start].copy_(r.locals[piece.param].view(-1)[piece.start:piece.end])
+            queue.append((all_gather_in_place(full, lo, hi, self.groups.shard), full, bucket))
             if len(queue) > 2:
                 self._unpack(*queue.pop(0))
         for entry in queue:
             self._unpack(*entry)
 
-    def _unpack(self, work, full: torch.Tensor, bucket) -> None:
+    def _unpack(self, work: dist.Work, full: torch.Tensor, bucket: Bucket) -> None:
         work.wait()
         for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
             self.reducer.locals[i].view(-1).copy_(full[off:off + n])
@@ -192,6 +199,13 @@ class BucketSync:
             "optimizer": tensor_bytes(states),
             "numel": sum(t.numel() for t in r.locals),
         }
+
+    # -- checkpoints (layout-free: whole per-parameter states, see zero_state.py) -------------------
+    def state_dict(self, model: torch.nn.Module) -> dict:
+        return zero_state.state_dict(self, model)
+
+    def load_state_dict(self, model: torch.nn.Module, state: dict) -> None:
+        zero_state.load_state_dict(self, model, state)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of this rank's live params, gradients and optimizer states at the last step boundary
