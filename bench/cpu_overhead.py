@@ -65,7 +65,6 @@ def plain_seconds(steps: int) -> float:
     model = spec.build(m.model)
     spec.init_weights(model, m.train.seed)
     if world > 1:
-        dist.init_process_group("gloo")
         model = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -86,8 +85,6 @@ def plain_seconds(steps: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
     loss.item()
-    if world > 1:
-        dist.destroy_process_group()
     return time.perf_counter() - start
 
 
@@ -97,6 +94,11 @@ def per_step(fn, short: int, long: int) -> float:
 
 def measure(layout: str, steps: int, repeats: int) -> None:
     overrides = LAYOUTS[layout][1]
+    if LAYOUTS[layout][0] > 1:  # one process group for every run: mantra's train() joins it, keeps it open
+        import trainer.loop as loop
+
+        dist.init_process_group("gloo")
+        loop.shutdown_distributed = lambda: None
     with tempfile.TemporaryDirectory() as tmp:
         mantra_runs, plain_runs = [], []
         for i in range(repeats):

@@ -46,5 +46,6 @@ class FSDPSync(LocalSync):
             "params": tensor_bytes(self.params),
             "grads": tensor_bytes([p.grad for p in self.params if p.grad is not None]),
             "optimizer": tensor_bytes([t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]),
+            "numel": sum(p.numel() for p in self.params),  # whole-model count (a DTensor reports its global shape)
         }
         self.optimizer.zero_grad(set_to_none=True)
