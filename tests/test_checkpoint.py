@@ -119,6 +119,21 @@ def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
     assert steps[restart] == int(latest[5:]) + 1, steps
 
 
+def test_a_rank_that_raises_brings_the_job_down_with_its_traceback(tmp_path):
+    path = write(tmp_path, "raiser", CKPT | {"train": {"steps": 5000}, "launcher": {"nproc": 2}})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests/fault_rank.py"), str(path), "1", "15"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    start_time = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert time.time() - start_time < 60  # start-up included; the failure itself is seen in seconds
+    assert proc.returncode != 0
+    assert "injected failure on rank 1 at step 15" in proc.stderr
+    assert "rank      : 1" in proc.stderr and "Traceback" in proc.stderr  # torchrun's report names the rank
+    assert (tmp_path / "raiser/ckpt/latest").read_text().strip() == "step-00000010"  # the last good one is intact
+    assert json.loads((tmp_path / "raiser/status.json").read_text())["state"] == "failed"
+
+
 def test_half_written_and_corrupt_checkpoints_fall_back(tmp_path):
     path = write(tmp_path, "run", {"checkpoint": {"every": 10, "keep": 3}, "train": {"steps": 30}})
     assert mantra_run(path, 1).returncode == 0

@@ -27,6 +27,8 @@ LAYOUTS = {
     "zero2-hsdp-2x2": (4, {"optimizer_sharding": "zero2", "dp_replicate": 2, "dp_shard": 2, **MANY_BUCKETS}),
     # Partial grads (norm weights under sequence parallel) and the tp part of the norm
     "zero2-x2-tp2-sp": (4, {"optimizer_sharding": "zero2", "tp": 2, "sequence_parallel": True, **MANY_BUCKETS}),
+    "none-x2-tp2": (4, {"optimizer_sharding": "none", "tp": 2, **MANY_BUCKETS}),
+    "zero1-x2-tp2": (4, {"optimizer_sharding": "zero1", "tp": 2, **MANY_BUCKETS}),
 }
 
 

@@ -1,0 +1,67 @@
+"""Tensor parallel halves the bytes of the weights it shards (tp2, real ranks); replicated norms stay whole.
+
+Also the worker: `torchrun --nproc-per-node=2 tests/test_tp_memory.py OUT` builds the tiny model
+with tp2 exactly as the trainer does (meta, parallelize, materialize) and writes each rank's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(out: Path) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from conftest import merge, tiny_config
+    from trainer.loop import build_model, layout_of
+    from trainer.manifest.resolve import resolve
+    from trainer.manifest.schema import Manifest
+    from trainer.parallel.mesh import build_mesh
+
+    dist.init_process_group("gloo")
+    config = merge(tiny_config("tp", out / "tp"), {"launcher": {"nproc": 2}, "parallel": {"tp": 2, "sequence_parallel": True}})
+    run = resolve(Manifest.model_validate(config), "<tp memory>")
+    mesh = build_mesh(layout_of(run), torch.device("cpu"))
+    model = build_model(run, mesh, torch.device("cpu"))
+    sharded = replicated = full_sharded = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        nbytes = local.numel() * local.element_size()
+        if isinstance(p, DTensor) and not all(isinstance(pl, Replicate) for pl in p.placements):
+            sharded += nbytes
+            full_sharded += p.numel() * local.element_size()
+        else:
+            replicated += nbytes
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
+        {"sharded": sharded, "full_sharded": full_sharded, "replicated": replicated}))
+    dist.destroy_process_group()
+    gc.collect()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_halves_the_sharded_weights(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        m = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert m["sharded"] > 0 and m["sharded"] * 2 == m["full_sharded"], m
+        assert m["replicated"] < m["sharded"]  # only the norms stay whole
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
