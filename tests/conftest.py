@@ -97,3 +97,12 @@ def assert_same_training(reference, candidate, rel: float = 1e-5) -> None:
         err = (params[name] - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
         assert err <= rel, f"{name}: max relative difference {err:.2e} > {rel}"
     assert torch.isfinite(torch.stack([p.abs().max() for p in params.values()])).all()
+
+
+def run_worker(script: str, nproc: int, out: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Start `nproc` ranks of a test file that doubles as a torchrun worker (`python FILE OUT`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, str(out)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

@@ -12,14 +12,12 @@ Worker: `torchrun --nproc-per-node=2 tests/test_fsdp2_is_not_zero2.py OUT`.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_worker
 
 
 def worker(out: Path) -> None:
@@ -63,10 +61,7 @@ def worker(out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_without_reshard_after_forward_still_shards_params_at_the_step_boundary(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker(__file__, 2, tmp_path)
     for rank in range(2):
         m = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert m["params_after_backward"] == pytest.approx(m["full"] / 2, rel=0.05), m  # 1/d, not whole

@@ -7,14 +7,12 @@ with tp2 exactly as the trainer does (meta, parallelize, materialize) and writes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_worker
 
 
 def worker(out: Path) -> None:
@@ -53,10 +51,7 @@ def worker(out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_halves_the_sharded_weights(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker(__file__, 2, tmp_path)
     for rank in range(2):
         m = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert m["sharded"] > 0 and m["sharded"] * 2 == m["full_sharded"], m
