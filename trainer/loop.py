@@ -159,7 +159,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                 if saved:
                     ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)
                 ckpt.poll()
-                if step < m.train.steps and preempt.agreed(device=device):
+                if step < m.train.steps and preempt.agreed():
                     if not saved:
                         ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
                     ckpt.wait()

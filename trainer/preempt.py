@@ -30,6 +30,7 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous = {}
+        self._group = None  # a CPU (gloo) group: asking every step must not stall the GPU
 
     def install(self) -> "PreemptionFlag":
         for sig in SIGNALS:
@@ -44,9 +45,14 @@ class PreemptionFlag:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
-    def agreed(self, group=None, device: torch.device | None = None) -> bool:
-        """True on every rank when any rank got a signal (collective: call it on all ranks)."""
-        flag = torch.tensor([1 if self.signum is not None else 0], device=device)
+    def agreed(self) -> bool:
+        """True on every rank when any rank got a signal (collective: call it on all ranks).
+
+        The flag travels on the CPU over gloo (a group of its own under nccl), so checking it every
+        step costs microseconds and never synchronises the GPU."""
+        flag = torch.tensor([1 if self.signum is not None else 0])
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if self._group is None:
+                self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
