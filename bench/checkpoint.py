@@ -20,9 +20,8 @@ from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
 from trainer.loop import build_model, train_step
 from trainer.manifest import load_manifest
-from trainer.optim import build_lr_schedule
+from trainer.optim import build_lr_schedule, build_optimizer
 from trainer.parallel.data import LocalSync
-from trainer.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {

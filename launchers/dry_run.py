@@ -16,7 +16,7 @@ from rich.table import Table
 from launchers.local import torchrun_command
 from trainer.manifest import Resolved
 from trainer.manifest.schema import Sharding
-from trainer.parallel.layout import DIM_NAMES, Layout
+from trainer.parallel.layout import DIM_NAMES
 
 
 @dataclass(frozen=True)
@@ -24,32 +24,43 @@ class RankRow:
     rank: int
     label: str
     coords: dict[str, int]
-    layers: range
+    layers: list[int]
     params: int
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    per = n_layers // pp
-    return range(stage * per, (stage + 1) * per)
+def spans(indices: list[int]) -> str:
+    """[0, 1, 4, 5] -> '0-1,4-5' (a rank of an interleaved or V pipeline holds several runs)."""
+    out, start = [], None
+    for i, n in enumerate(indices):
+        if start is None:
+            start = n
+        if i + 1 == len(indices) or indices[i + 1] != n + 1:
+            out.append(f"{start}-{n}" if n != start else str(n))
+            start = None
+    return ",".join(out) or "-"
 
 
 def rank_rows(run: Resolved) -> list[RankRow]:
-    """One row per rank, with parameter counts taken from the model built on the meta device."""
+    """One row per rank, with parameter counts taken from the model built on the meta device and the
+    stage split the pipeline really uses (uniform or parallel.stage_layers; loop or V placement)."""
     import torch
 
     from trainer.models import get_model_spec
+    from trainer.parallel.pipeline.split import layout_for
 
     m = run.manifest
     p = m.parallel
-    layout = Layout(pp=p.pp, dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, cp=p.cp, tp=p.tp)
+    layout = run.layout
+    stages, split = layout_for(run)
     with torch.device("meta"):
         model = get_model_spec(m.model.kind).build(m.model)
     named = {name: param.numel() for name, param in model.named_parameters()}
     rows = []
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        held = stage_layers(m.model.layers, p.pp, c["pp"])
-        first, last = c["pp"] == 0, c["pp"] == p.pp - 1
+        held_stages = stages.stages_of(c["pp"])
+        held = sorted(i for s in held_stages for i in split[s])
+        first, last = 0 in held_stages, stages.num_stages - 1 in held_stages
         total = 0
         for name, count in named.items():
             parts = name.split(".")
@@ -98,7 +109,6 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
     table.add_column("layers")
     table.add_column("params", justify="right")
     for row in rank_rows(run):
-        layers = f"{row.layers.start}-{row.layers.stop - 1}" if len(row.layers) else "-"
-        table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in DIM_NAMES), layers, f"{row.params:,}")
+        table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in DIM_NAMES), spans(row.layers), f"{row.params:,}")
     console.print(table)
     console.print("command: " + shlex.join(command_for(run)), soft_wrap=True)

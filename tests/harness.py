@@ -22,12 +22,12 @@ def full_parameters(model) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from trainer.models import canonical_name
+
     out = {}
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
-            name = name.replace(wrapper, "")
-        out[name] = tensor.detach().to("cpu", torch.float32).clone()
+        out[canonical_name(name)] = tensor.detach().to("cpu", torch.float32).clone()
     return out
 
 

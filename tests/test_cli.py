@@ -99,3 +99,16 @@ def test_dry_run_table(tmp_path):
         assert cells[7] == "0-3" and cells[8] == "3,279,104"
     assert "torch.distributed.run --standalone --nproc-per-node=4" in out
     assert not (tmp_path / "metrics.jsonl").exists()  # trains nothing
+
+
+def test_dry_run_shows_the_pipeline_split_the_runtime_uses(tmp_path):
+    """zb-v folds 4 layers into a V over 2 ranks: rank 0 holds layers 0 and 3, the embedding and the head."""
+    proc = mantra("dry-run", "manifests/tiny-cpu.yaml", "--nproc", "2", "--set", "parallel.pp=2",
+                  "--set", "parallel.schedule=zb-v", "--set", "parallel.virtual_stages=2",
+                  "--set", "parallel.microbatches=4", "--set", "train.micro_batch=4", "--set", f"logging.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    rows = {int(c[0]): c for c in ([x.strip() for x in line.strip("│ ").split("│")]
+                                   for line in proc.stdout.splitlines() if "PP2-rank" in line)}
+    assert rows[0][7] == "0,3" and rows[1][7] == "1-2"
+    total = 3_279_104  # the whole model, as in the dp table: the two stages hold it exactly once
+    assert int(rows[0][8].replace(",", "")) + int(rows[1][8].replace(",", "")) == total

@@ -23,7 +23,7 @@ def worker(out: Path) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     from conftest import merge, tiny_config
-    from trainer.loop import build_model, layout_of
+    from trainer.loop import build_model
     from trainer.manifest.resolve import resolve
     from trainer.manifest.schema import Manifest
     from trainer.parallel.mesh import build_mesh
@@ -31,7 +31,7 @@ def worker(out: Path) -> None:
     dist.init_process_group("gloo")
     config = merge(tiny_config("tp", out / "tp"), {"launcher": {"nproc": 2}, "parallel": {"tp": 2, "sequence_parallel": True}})
     run = resolve(Manifest.model_validate(config), "<tp memory>")
-    mesh = build_mesh(layout_of(run), torch.device("cpu"))
+    mesh = build_mesh(run.layout, torch.device("cpu"))
     model = build_model(run, mesh, torch.device("cpu"))
     sharded = replicated = full_sharded = 0
     for p in model.parameters():

@@ -96,12 +96,12 @@ def _run(mode: str, world: int, tmp: str, **parallel):
 
 
 def _sync(mode: str, world: int, tmp: str, bucket_bytes: int, model=None, **parallel):
-    from trainer.loop import build_model, layout_of
+    from trainer.loop import build_model
     from trainer.parallel.mesh import build_mesh
     from trainer.parallel.zero import BucketSync
 
     run = _run(mode, world, tmp, **parallel)
-    mesh = build_mesh(layout_of(run), torch.device("cpu"))
+    mesh = build_mesh(run.layout, torch.device("cpu"))
     model = model if model is not None else build_model(run, mesh, torch.device("cpu"))
     return model, BucketSync(model, run, mesh, torch.device("cpu"), bucket_bytes=bucket_bytes)
 

@@ -31,7 +31,6 @@ from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory
 from trainer.models import get_model_spec
 from trainer.optim import build_lr_schedule
 from trainer.parallel.data import GradSync, build_grad_sync
-from trainer.parallel.layout import Layout
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
@@ -45,11 +44,6 @@ class TrainResult:
     steps: int
     final_loss: float
     run_dir: Path
-
-
-def layout_of(run: Resolved) -> Layout:
-    p = run.manifest.parallel
-    return Layout(pp=p.pp, dp_replicate=run.dp_replicate, dp_shard=run.dp_shard, cp=p.cp, tp=p.tp)
 
 
 def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractContextManager:
@@ -109,7 +103,7 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None) -> TrainR
 
 def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> TrainResult:
     m = run.manifest
-    layout = layout_of(run)
+    layout = run.layout
     mesh = build_mesh(layout, device)
     torch.manual_seed(m.train.seed)
     model = build_model(run, mesh, device)

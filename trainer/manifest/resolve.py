@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.manifest.schema import LauncherKind, Manifest, Sharding
+from trainer.parallel.layout import Layout
 
 
 class Unresolvable(ValueError):
@@ -48,6 +49,12 @@ class Resolved:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def layout(self) -> Layout:
+        """Every rank's (pp, dp_replicate, dp_shard, cp, tp) coordinate; the mesh uses the same order."""
+        p = self.manifest.parallel
+        return Layout(pp=p.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=p.cp, tp=p.tp)
 
     @property
     def grad_accum(self) -> int:

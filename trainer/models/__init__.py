@@ -29,7 +29,17 @@ if TYPE_CHECKING:
 
     from trainer.manifest.schema import ModelSection
 
-Issue = tuple[str, str]  # (field inside the model section, lowercase message with a fix)
+Issue = tuple[str, str]
+
+# Wrappers that insert themselves into FQNs (activation checkpointing, torch.compile, FSDP1).
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(fqn: str) -> str:
+    """The FQN without wrapper parts: what seeds a parameter's init and names it in checkpoints."""
+    for part in _WRAPPER_PARTS:
+        fqn = fqn.replace(part, "")
+    return fqn  # (field inside the model section, lowercase message with a fix)
 
 
 @dataclass(frozen=True)

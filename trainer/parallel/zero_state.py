@@ -18,14 +18,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+from trainer.models import canonical_name
+
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def canonical(name: str) -> str:
-    for part in _WRAPPERS:
-        name = name.replace(part, "")
-    return name
 
 
 def _tensor_keys(sync) -> tuple[str, ...]:
@@ -69,7 +64,7 @@ def _step_value(sync) -> torch.Tensor:
 def state_dict(sync, model: torch.nn.Module) -> dict:
     r = sync.reducer
     optim: dict = {}
-    names = {i: canonical(n) for i, n in enumerate(r.names)}
+    names = {i: canonical_name(n) for i, n in enumerate(r.names)}
     keys = _tensor_keys(sync)
     if keys:
         step = _step_value(sync)
@@ -94,7 +89,7 @@ def _group_index(sync, i: int) -> int:
 def load_state_dict(sync, model: torch.nn.Module, state: dict) -> None:
     set_model_state_dict(model, state["model"])
     optim, r = state["optim"], sync.reducer
-    names = {i: canonical(n) for i, n in enumerate(r.names)}
+    names = {i: canonical_name(n) for i, n in enumerate(r.names)}
     for i, s in sync.slices.items():
         piece = _piece(sync, i)
         target = sync.optimizer.state[s.param]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.manifest.schema import ModelSection
+from trainer.models import canonical_name
 
 
 class RMSNorm(nn.Module):
@@ -145,17 +146,6 @@ class Transformer(nn.Module):
 
 def build(cfg: ModelSection) -> Transformer:
     return Transformer(cfg)
-
-
-# Wrappers that insert themselves into FQNs (activation checkpointing, torch.compile, FSDP1).
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(fqn: str) -> str:
-    """The FQN without wrapper parts, so wrapped and plain models seed alike."""
-    for part in _WRAPPER_PARTS:
-        fqn = fqn.replace(part, "")
-    return fqn
 
 
 def param_seed(seed: int, fqn: str) -> int:
