@@ -75,8 +75,9 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("nproc, parallel", [(2, {"optimizer_sharding": "zero2"}), (2, {"tp": 2}), (2, {"optimizer_sharding": "zero3"})],
-                         ids=["dp2-zero2", "tp2", "zero3x2"])
+@pytest.mark.parametrize("nproc, parallel", [(2, {"optimizer_sharding": "zero2"}), (2, {"tp": 2}), (2, {"optimizer_sharding": "zero3"}),
+                                             (4, {"pp": 2, "optimizer_sharding": "zero3"})],
+                         ids=["dp2-zero2", "tp2", "zero3x2", "pp2-dp2-zero3"])
 def test_killed_run_resumes_exactly(tmp_path, nproc, parallel):
     straight = write(tmp_path, "straight", merge(CKPT, {"parallel": parallel}))
     assert mantra_run(straight, nproc).returncode == 0
@@ -171,8 +172,9 @@ def test_sigusr1_saves_at_the_next_step_and_asks_for_requeue(tmp_path):
 
 @pytest.mark.parametrize(
     "nproc, parallel",
-    [(1, {}), (4, {"tp": 2}), (2, {"pp": 2, "microbatches": 4}), (4, {"tp": 2, "optimizer_sharding": "zero3"})],
-    ids=["one-rank", "tp2xdp2", "pp2", "dp2-tp2-zero3"],
+    [(1, {}), (4, {"tp": 2}), (2, {"pp": 2, "microbatches": 4}), (4, {"tp": 2, "optimizer_sharding": "zero3"}),
+     (4, {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero3"})],
+    ids=["one-rank", "tp2xdp2", "pp2", "dp2-tp2-zero3", "pp2-dp2-zero3-zb-h1"],
 )
 def test_checkpoint_reshards_to_another_layout(tmp_path, nproc, parallel):
     settings = {"checkpoint": {"every": 10}, "train": {"steps": 30}}

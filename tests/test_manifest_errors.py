@@ -76,7 +76,6 @@ CASES = [
     ("v-without-interleave", plus("parallel:\n  virtual_stages: 2\n"), [], "17:19", "parallel.virtual_stages", "use schedule interleaved-1f1b or zb-v"),
     ("stage-layers-count", plus("parallel:\n  pp: 2\n  stage_layers: [1, 0, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "3 entries for pp·virtual_stages = 2·1 = 2 stages"),
     ("stage-layers-sum", plus("parallel:\n  pp: 2\n  stage_layers: [2, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "sum to 3 but model.layers is 2"),
-    ("not-supported-pp-zero3", plus("parallel:\n  pp: 2\n  dp_shard: 2\n  optimizer_sharding: zero3\n"), ["launcher.nproc=4", "train.micro_batch=2"], "19:23", "parallel.optimizer_sharding", "not supported yet: zero3 (FSDP2) with pp > 1"),
     ("not-supported-pp-tied", plus("parallel:\n  pp: 2\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=2", "train.micro_batch=2"], "10:19", "model.tie_embeddings", "not supported yet: tied embeddings with pp > 1"),
     ("not-supported-zb-selective", with_lines(l13="  steps: 5\n  activation_checkpointing: selective") + "parallel:\n  pp: 2\n  schedule: zb-h1\n", ["launcher.nproc=2", "train.micro_batch=2"], "14:29", "train.activation_checkpointing", "selective recompute with zb-h1"),
     ("1f1b-microbatches", with_lines(l12="  micro_batch: 8") + "parallel:\n  pp: 2\n", ["launcher.nproc=2"], "16:1", "parallel.microbatches", "needs at least pp = 2 microbatches, got 1"),
@@ -166,3 +165,15 @@ def test_real_exit_code_and_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launchers.cli", "validate", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"{path}:6:3: error: model.heads: duplicate key (first set on line 5); keep one of them"
+
+
+def test_zero3_with_pp_validates_with_a_warning(tmp_path, capsys, monkeypatch):
+    """zero3 with pp runs (fsdp.py), but validation warns, at the field, what it costs."""
+    monkeypatch.chdir(tmp_path.parent)
+    path = tmp_path / "z3pp.yaml"
+    path.write_text(plus("parallel:\n  pp: 2\n  dp_shard: 2\n  optimizer_sharding: zero3\n"))
+    assert main(["validate", str(path), "--set", "launcher.nproc=4", "--set", "train.micro_batch=2"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if ": warning: " in x)
+    assert line.startswith(f"{path}:19:23: warning: parallel.optimizer_sharding: zero3 with pp > 1 keeps"), line
+    assert "zero1 or zero2" in line and ": error: " not in err

@@ -1,4 +1,4 @@
-"""Pipeline parallel vs one process: every schedule at pp 2 and 4, and pp with dp (zero1, zero2) and tp.
+"""Pipeline parallel vs one process: every schedule at pp 2 and 4, and pp with dp (zero1, zero2, zero3) and tp.
 
 fp32 on CPU (gloo), SGD (exact parameters, DESIGN.md), 5 steps, clipping active, an 8-layer tiny
 llama so pp 4 with 2 virtual stages still has a layer per chunk. Loss and grad norm per step and
@@ -47,8 +47,13 @@ FOUR_RANKS = {f"pp4-{name}": {"pp": 4} | s for name, s in SCHEDULES.items()} | {
     "pp2-dp2-zero2-zb-v": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero2",
                            "bucket_mb": SMALL_BUCKETS},
     "pp2-tp2-sp-zb-h1": {"pp": 2, "schedule": "zb-h1", "tp": 2, "sequence_parallel": True},
+    "pp2-dp2-zero3-zb-h1": {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero3"},
+    "pp2-dp2-zero3-interleaved": {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                  "optimizer_sharding": "zero3"},
+    "pp2-dp2-zero3-zb-v": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero3"},
 }
-DP_LAYOUTS = [name for name, p in FOUR_RANKS.items() if "optimizer_sharding" in p]
+DP_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") in ("zero1", "zero2")]
+ZERO3_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") == "zero3"]
 
 
 def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
@@ -129,6 +134,19 @@ def test_gradient_hooks_and_reductions_fire_once(name, four_ranks):
         assert probe["buckets"] > 1
 
 
+@pytest.mark.parametrize("name", ZERO3_LAYOUTS)
+def test_zero3_gathers_and_reduces_once_per_step(name, four_ranks):
+    """zero3 under pp (fsdp.py): each FSDP unit of a rank all-gathers once per step (at its first
+    forward, not per microbatch) and reduce-scatters once per step, after the rank's last action."""
+    probes = four_ranks[name]["probe"]
+    assert len(probes) == 4
+    for probe in probes:
+        assert probe["units"] >= 2, probe  # the blocks, plus the root holding the embedding or the head
+        assert probe["all_gathers"] == STEPS * probe["units"], probe
+        assert len(probe["launches"]) == STEPS * probe["units"], probe
+        assert all(kind is None for kind, _ in probe["launches"]), probe  # after the actions, not inside one
+
+
 # -- the launched side ----------------------------------------------------------------------------
 
 def _probe() -> tuple[dict, list]:
@@ -137,7 +155,7 @@ def _probe() -> tuple[dict, list]:
 
     from trainer.parallel.pipeline import executor as ex
 
-    running: dict = {}
+    running: dict = {"all_gathers": 0}
     launches: list = []
     init = ex.Executor.__init__
 
@@ -155,6 +173,13 @@ def _probe() -> tuple[dict, list]:
         return reduce_scatter(*args, **kwargs)
 
     dist.reduce_scatter_single = counted
+    all_gather = dist.all_gather_single
+
+    def gathered(*args, **kwargs):
+        running["all_gathers"] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = gathered
     return running, launches
 
 
@@ -166,10 +191,11 @@ def main(out: Path, manifests: list[Path]) -> None:
     from trainer.manifest import load_manifest
 
     loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch
-    _, launches = _probe()
+    running, launches = _probe()
     for path in manifests:
         run, _ = load_manifest(path)
         launches.clear()
+        running["all_gathers"] = 0
 
         def save(model, sync, name=run.manifest.name) -> None:
             import torch
@@ -181,6 +207,14 @@ def main(out: Path, manifests: list[Path]) -> None:
             if getattr(sync, "hook_calls", None) is not None:
                 probe = {"rank": rank, "hook_calls": sync.hook_calls, "buckets": len(sync.reducer.buckets),
                          "launches": list(launches)}
+                (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
+            if hasattr(sync, "pipeline_step"):  # zero3: FSDP's collectives, and its units holding parameters
+                from torch.distributed.fsdp import FSDPModule, fully_shard
+
+                units = sum(1 for m in model.modules() if isinstance(m, FSDPModule)
+                            for _ in fully_shard.state(m)._fsdp_param_groups)
+                units += sum(1 for s in model.pipeline_stages.values() for _ in fully_shard.state(s)._fsdp_param_groups)
+                probe = {"rank": rank, "units": units, "all_gathers": running["all_gathers"], "launches": list(launches)}
                 (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
 
         loop.train(run, on_finish=save)

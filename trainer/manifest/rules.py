@@ -162,7 +162,9 @@ def sharding_degree(m: Manifest) -> Iterator[Finding]:
     if p.optimizer_sharding == Sharding.zero3 and p.pp > 1:
         yield Finding(
             "parallel.optimizer_sharding",
-            "zero3 with pp > 1 re-gathers parameters for every microbatch; zero1 or zero2 is usually faster",
+            "zero3 with pp > 1 keeps each stage's parameters and gradients whole for the step (gathered once, "
+            "reduce-scattered after the last backward; re-gathering per microbatch would cost an all-gather each), "
+            "so its peak memory is zero1's with one all-gather more per step; zero1 or zero2 is usually better",
             "warning",
         )
 
@@ -207,10 +209,6 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     if p.tp > 1 and m.model.tie_embeddings:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with tensor parallel; set false or use tp: 1")
-    if p.pp > 1 and p.optimizer_sharding == Sharding.zero3:
-        yield Finding("parallel.optimizer_sharding", f"{_LATER}: zero3 (FSDP2) with pp > 1 (FSDP's gather and "
-                      "reduce-scatter hooks expect the whole model's forward and one backward per microbatch, the "
-                      "pipeline runs stages and splits B from W); use zero1 or zero2")
     if p.pp > 1 and p.schedule in _SPLIT_BACKWARD and m.train.activation_checkpointing == Recompute.selective:
         yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute with {p.schedule.value} "
                       "(torch's selective checkpoint allows one backward per region; B and W are two); "

@@ -5,16 +5,36 @@ just before its forward (and again before its backward) and resharded right
 after, so a rank holds 1/dp_shard of everything between uses. With
 dp_replicate > 1 the mesh is 2-D (replicate, shard): HSDP, gradients
 reduce-scattered inside a shard group and all-reduced across replicas.
+
+With pipeline parallelism (pp > 1) the pipeline calls stage modules, never the
+model's forward, and splits a backward into B and W passes that FSDP's hooks
+do not know of. So, as torch.distributed.pipelining and torchtitan do:
+
+    roots     each stage module of the rank is an FSDP root (the blocks are
+              units inside it; the embedding, norm and head belong to the root)
+    the step  a stage's parameters are all-gathered at its first forward and
+              stay whole (no reshard after forward or backward); gradients
+              accumulate whole, unsynchronised, over every microbatch
+    the end   after the rank's last backward `finish_pipeline_step` runs each
+              unit's post-backward by hand: one reduce-scatter per unit, then
+              reshard
+
+One all-gather and one reduce-scatter per parameter per step (not one per
+microbatch), at the price of whole parameters and gradients of the rank's
+stages during the step: zero1's peak memory, zero3's between steps. The
+manifest check warns about it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import LocalSync
 from trainer.parallel.memory import tensor_bytes
 
@@ -24,18 +44,56 @@ def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device) -> None:
     reduce = torch.bfloat16 if run.manifest.parallel.reduce_dtype.value == "bf16" else torch.float32
     bf16 = run.manifest.train.precision.value == "bf16" or (run.manifest.train.precision.value == "auto" and device.type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce)
+    stages = model.__dict__.get("pipeline_stages")  # pp > 1: split.build_stages
+    reshard = stages is None  # under pp a stage keeps its parameters whole for the step (module docstring)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    for root in stages.values() if stages is not None else [model]:
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
 class FSDPSync(LocalSync):
-    """FSDP2 reduce-scatters each block's gradients during backward; accumulation skips it until the last microbatch."""
+    """FSDP2 reduce-scatters each block's gradients during backward; accumulation skips it until the last microbatch.
+
+    `roots` are the FSDP roots: the model, or under pp the rank's stage modules
+    (then `pp_group` also sums the gradient norm over the pipeline stages).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 roots: Sequence[FSDPModule] | None = None, pp_group: dist.ProcessGroup | None = None):
+        super().__init__(model, optimizer)
+        self.roots = list(roots) if roots is not None else [model]
+        self.pp_group = pp_group
 
     @contextlib.contextmanager
     def backward_context(self, last: bool) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(last)
+        for root in self.roots:
+            root.set_requires_gradient_sync(last)
         yield
+
+    @contextlib.contextmanager
+    def pipeline_step(self) -> Iterator[None]:
+        """Around one pipeline step: gradients accumulate whole and unreduced, parameters stay gathered;
+        on exit each unit reduce-scatters once and reshards (the module docstring's "the end")."""
+        for root in self.roots:
+            root.set_is_last_backward(False)
+            root.set_reshard_after_backward(False)
+            root.set_requires_gradient_sync(False)
+        yield
+        for root in self.roots:
+            root.set_is_last_backward(True)
+            root.set_reshard_after_backward(True)
+            root.set_requires_gradient_sync(True)
+            state = fully_shard.state(root)
+            for unit in state._state_ctx.all_states:  # private API, as torch.distributed.pipelining uses it
+                for group in unit._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()  # waits for the reduce-scatters (GPU streams)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if self.pp_group is None:
+            return super().clip_grad_norm_(max_norm)
+        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,))
 
     def memory_breakdown(self) -> dict[str, int]:
         return self.last_breakdown

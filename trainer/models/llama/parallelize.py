@@ -1,6 +1,7 @@
 """How a Llama is parallelized: this function only decides the order, the mechanics live in trainer/parallel.
 
-    tensor + sequence parallel -> pipeline split -> activation checkpointing -> compile -> FSDP (zero3)
+    tensor + sequence parallel -> pipeline split -> activation checkpointing -> compile
+        -> pipeline stage modules -> FSDP (zero3)
 
 Runs on the meta device, before the weights exist; the trainer materializes and
 initialises afterwards (each rank draws the full tensor and keeps its shard).
@@ -38,6 +39,10 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value)
     if train.compile:
         apply_compile(model.layers)
+    if p.pp > 1:  # the stage modules the pipeline calls (over the wrapped blocks; FSDP roots under zero3)
+        from trainer.parallel.pipeline.split import build_stages
+
+        build_stages(model, run, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp > 1:
         from trainer.parallel.fsdp import apply_fsdp
 

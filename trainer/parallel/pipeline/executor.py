@@ -79,7 +79,6 @@ class Executor:
         self.pp_rank, self.group, self.device = pp_rank, group, device
         self.act_shape, self.act_dtype, self.microbatches = tuple(act_shape), act_dtype, microbatches
         self.loss_fn, self.loss_context, self.cost = loss_fn, loss_context, dict(cost or {})
-        self.params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
         self.last_stage = layout.num_stages - 1
         bwd = [i for i, a in enumerate(self.actions) if a.kind in (Kind.W, Kind.BW)]
         # the last W or BW of each stage in the list: where its gradients of the step are complete
@@ -193,6 +192,11 @@ class Executor:
             self._outbox[(direction, stage, mb)] = tensor.to(self.act_dtype).contiguous()
 
     # -- computation ----------------------------------------------------------------------------
+    def _params(self, s: int) -> list[torch.Tensor]:
+        """Stage `s`'s parameters as its graph holds them: read at each backward, because FSDP swaps the
+        module's sharded parameters for whole ones while they are gathered (fsdp.py)."""
+        return [p for p in self.stages[s].parameters() if p.requires_grad]
+
     def _compute(self, a: Action, grad_context: GradContext, quiet: Callable[[Action], bool]) -> None:
         s, mb = a.stage, a.microbatch
         last = s == self.last_stage
@@ -216,17 +220,17 @@ class Executor:
         ctx = self.loss_context() if last else contextlib.nullcontext()
         if a.kind == Kind.W:
             with grad_context(a), ctx:
-                backward_weight(slot.pending, self.params[s], quiet(a))
+                backward_weight(slot.pending, self._params(s), quiet(a))
             del self._slots[(s, mb)]
             return
         grad = None if last else self._take(("B", s, mb))
         if a.kind == Kind.B:
             with ctx:
-                dinput, slot.pending = backward_input(slot.out, grad, slot.inp, self.params[s])
+                dinput, slot.pending = backward_input(slot.out, grad, slot.inp, self._params(s))
             slot.out = None
         else:  # BW
             with grad_context(a), ctx:
-                dinput = full_backward(slot.out, grad, slot.inp, self.params[s], quiet(a))
+                dinput = full_backward(slot.out, grad, slot.inp, self._params(s), quiet(a))
             del self._slots[(s, mb)]
         if s > 0:
             self._hand_on("B", s, mb, dinput)

@@ -54,7 +54,7 @@ from trainer.parallel.data import LocalSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
 from trainer.parallel.pipeline.schedules import build_schedule
-from trainer.parallel.pipeline.split import StageModule, activation_shape, cross_entropy, layout_for
+from trainer.parallel.pipeline.split import activation_shape, build_stages, cross_entropy, layout_for
 from trainer.parallel.tensor import loss_context
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,11 @@ class Pipeline:
                  cost: Mapping[Kind, float] | None = None) -> None:
         m, p = run.manifest, run.manifest.parallel
         self.schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages)
-        layout, split = layout_for(run)
+        layout, _ = layout_for(run)
         pp_mesh = mesh["pp"]
         self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
-        self.stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(self.pp_rank)}
+        # the model's parallelize built them (over its wrapped blocks; FSDP roots under zero3)
+        self.stages = model.__dict__.get("pipeline_stages") or build_stages(model, run, self.pp_rank)
         shape = activation_shape(run.batch.micro_batch, m.model.seq_len, m.model.dim, p.tp, p.sequence_parallel)
         self.executor = Executor(
             self.schedule.ranks[self.pp_rank], self.stages, layout, self.pp_rank, self.group, device,
@@ -92,12 +93,13 @@ class Pipeline:
         dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
         hooked = getattr(sync, "hook_calls", None) is not None  # gradients taken by post-accumulate-grad hooks
         self.whole_step_context = hooked and len(self.stages) > 1
+        self.fsdp = hasattr(sync, "pipeline_step")  # zero3: FSDP reduces once, after the step (fsdp.py)
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
 
     # -- the step -------------------------------------------------------------------------------
     def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
-        if self.whole_step_context:
+        if self.whole_step_context or self.fsdp:
             return contextlib.nullcontext()
         return self.sync.backward_context(last=action in self.executor.final_backward)
 
@@ -106,7 +108,12 @@ class Pipeline:
 
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None) -> torch.Tensor:
         """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank."""
-        outer = self.sync.backward_context(last=True) if self.whole_step_context else contextlib.nullcontext()
+        if self.fsdp:
+            outer = self.sync.pipeline_step()
+        elif self.whole_step_context:
+            outer = self.sync.backward_context(last=True)
+        else:
+            outer = contextlib.nullcontext()
         with outer:
             loss, timing = self.executor.run(microbatches, self._grad_context, self._quiet, autocast)
         self.sync.finish_backward()

@@ -111,3 +111,13 @@ def split_model(model: nn.Module, run, pp_rank: int) -> None:
     """Keep only what pipeline rank `pp_rank` runs (call on the meta device, before init)."""
     layout, split = layout_for(run)
     keep_stages(model, layout, pp_rank, split)
+
+
+def build_stages(model: nn.Module, run, pp_rank: int) -> dict[int, StageModule]:
+    """The stage modules of rank `pp_rank`, kept on `model.pipeline_stages` (a plain attribute, not
+    a submodule, so FQNs do not change). Call after activation checkpointing and compile have
+    wrapped the blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
+    layout, split = layout_for(run)
+    stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
+    object.__setattr__(model, "pipeline_stages", stages)  # bypass nn.Module registration
+    return stages
