@@ -113,25 +113,25 @@ def test_four_ranks_match_one_process(name, reference, four_ranks):
 
 @pytest.mark.parametrize("name", DP_LAYOUTS)
 def test_gradient_hooks_and_reductions_fire_once(name, four_ranks):
-    """Hooks: once per parameter per W (one chunk per rank: per microbatch) or once per step (several
-    chunks: only each chunk's final W feeds the reducer); B never fires one. Reductions: zero1 reduces
-    each bucket once per step, inside the rank's final W of that bucket's chunk (overlapping it);
-    zero2 reduce-scatters once per microbatch, always inside a W/BW."""
+    """Hooks: once per parameter per W/BW, i.e. per microbatch, one chunk or several (each W runs in
+    a context scoped to its chunk); B never fires one. Reductions: zero1 reduces each bucket once per
+    step, inside the final W of that bucket's chunk (overlapping it); zero2 reduce-scatters once per
+    microbatch, always inside a W/BW. Buckets never mix two chunks' parameters."""
     parallel = FOUR_RANKS[name]
     microbatches = 8 // (2 * 2)  # global_batch / (micro_batch * dp)
-    several_chunks = parallel.get("virtual_stages", 1) > 1
     probes = [p for p in four_ranks[name]["probe"]]
     assert len(probes) == 4
     for probe in probes:
         calls = set(probe["hook_calls"].values())
-        assert calls == {STEPS if several_chunks else STEPS * microbatches}, (probe["rank"], calls)
+        assert calls == {STEPS * microbatches}, (probe["rank"], calls)
         launches = probe["launches"]
         assert all(kind in ("W", "BW") for kind, _ in launches), launches  # never during F or B
-        per_step = probe["buckets"] * (1 if parallel["optimizer_sharding"] == "zero1" or several_chunks else microbatches)
+        per_step = probe["buckets"] * (1 if parallel["optimizer_sharding"] == "zero1" else microbatches)
         assert len(launches) == STEPS * per_step, (probe["rank"], len(launches), probe["buckets"])
-        if parallel["optimizer_sharding"] == "zero1" or several_chunks:
+        if parallel["optimizer_sharding"] == "zero1":
             assert all(final for _, final in launches), launches  # in the final W of the chunk: overlapped
         assert probe["buckets"] > 1
+        assert all(len(set(stages)) == 1 for stages in probe["bucket_stages"]), probe["bucket_stages"]
 
 
 @pytest.mark.parametrize("name", ZERO3_LAYOUTS)
@@ -205,8 +205,10 @@ def main(out: Path, manifests: list[Path]) -> None:
             if rank == 0:
                 torch.save(params, out / f"{name}.pt")
             if getattr(sync, "hook_calls", None) is not None:
+                stage_of = {id(q): s for s, m in model.pipeline_stages.items() for q in m.parameters()}
                 probe = {"rank": rank, "hook_calls": sync.hook_calls, "buckets": len(sync.reducer.buckets),
-                         "launches": list(launches)}
+                         "launches": list(launches), "bucket_stages": [
+                             [stage_of[id(sync.reducer.params[i])] for i in b.params] for b in sync.reducer.buckets]}
                 (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
             if hasattr(sync, "pipeline_step"):  # zero3: FSDP's collectives, and its units holding parameters
                 from torch.distributed.fsdp import FSDPModule, fully_shard

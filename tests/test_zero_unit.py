@@ -33,6 +33,12 @@ SIZES = [
 ]
 
 
+def test_breaks_start_a_new_bucket():
+    buckets = plan_buckets([4, 4, 4, 4], 1000, 1, breaks=[2])
+    assert [b.params for b in buckets] == [(0, 1), (2, 3)]
+    assert [b.params for b in plan_buckets([4, 4, 4, 4], 8, 1, breaks=[1, 3])] == [(0,), (1, 2), (3,)]
+
+
 @pytest.mark.parametrize(("sizes", "shards", "bucket_elems"),
                          list(itertools.product(SIZES, [1, 2, 3, 4, 8], [1, 40, 1000, 10**9])))
 def test_shards_cover_every_element_exactly_once(sizes, shards, bucket_elems):
@@ -208,8 +214,33 @@ def _misuse(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(RuntimeError, match=r"got no gradient.*spare"):
         with sync.backward_context(last=True):
             model(x).backward()
-    with pytest.raises(RuntimeError, match="without a completed backward_context"):
+    with pytest.raises(RuntimeError, match="before a completed backward_context"):
         sync.finish_backward()
+
+    # pipeline stages (a rank's chunks): contexts scoped to one stage's parameters, buckets never shared
+    model = _TwoLayers()
+    object.__setattr__(model, "pipeline_stages", {0: model.a, 1: model.b})
+    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model)
+    stage_of = {id(q): s for s, m in model.pipeline_stages.items() for q in m.parameters()}
+    for bucket in sync.reducer.buckets:
+        assert len({stage_of[id(sync.reducer.params[i])] for i in bucket.params}) == 1
+    assert len(sync.reducer.buckets) == 2  # one stage each, though 4096 bytes would hold both
+    with pytest.raises(RuntimeError, match="scoped to other parameters"):
+        with sync.backward_context(last=True, stage=1):
+            model(x).backward()  # a's gradients too
+    sync.reducer.remove_hooks()  # a fresh reducer: that backward was cut short
+    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model)
+    for last in (False, True):  # W of stage 1, then of stage 0, twice: each its own context
+        loss = model(x)
+        with sync.backward_context(last=last, stage=1):
+            torch.autograd.backward(loss, inputs=list(model.b.parameters()), retain_graph=True)
+        if last:
+            with pytest.raises(RuntimeError, match="before a completed backward_context"):
+                sync.finish_backward()  # stage 0 not reduced yet
+        with sync.backward_context(last=last, stage=0):
+            torch.autograd.backward(loss, inputs=list(model.a.parameters()))
+    sync.finish_backward()
+    assert set(sync.hook_calls.values()) == {2}
 
 
 @pytest.mark.slow

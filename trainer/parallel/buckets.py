@@ -10,6 +10,11 @@ group owns piece r (padding is zeros and belongs to no parameter).
                     ─> its owned piece all-reduced over the replicate group (HSDP, or dp for `none`)
     finish()        ─> wait for everything, divide by dp
 
+A backward_context may be scoped to one of several parameter groups (`scopes`: a pipeline
+rank's chunks, whose W passes interleave): buckets then never span two groups, only the
+scope's parameters may (and must) fire, its buckets launch in index order, and "last" is
+per group, so each chunk reduces inside its own final W.
+
 none/zero1 keep one persistent full-size buffer per bucket and communicate on the last
 microbatch only (earlier ones just accumulate). zero2 allocates a bucket's storage when its
 first gradient of a microbatch arrives, reduce-scatters it as soon as it is complete (every
@@ -69,12 +74,15 @@ class Bucket:
         return out
 
 
-def plan_buckets(numels: Sequence[int], bucket_elems: int, shards: int, align: int = ALIGN) -> list[Bucket]:
-    """Greedy packing in the given order; a parameter larger than a bucket gets one to itself."""
+def plan_buckets(numels: Sequence[int], bucket_elems: int, shards: int, align: int = ALIGN,
+                 breaks: Sequence[int] = ()) -> list[Bucket]:
+    """Greedy packing in the given order; a parameter larger than a bucket gets one to itself, and a
+    parameter whose index is in `breaks` starts a new bucket (pipeline chunks never share one)."""
     groups: list[list[int]] = []
     total = 0
+    cut = set(breaks)
     for i, n in enumerate(numels):
-        if not groups or (total + n > bucket_elems and total > 0):
+        if not groups or (total + n > bucket_elems and total > 0) or i in cut:
             groups.append([])
             total = 0
         groups[-1].append(i)
@@ -133,23 +141,34 @@ class GradReducer:
     """Owns the gradient buffers, the post-accumulate-grad hooks and the gradient collectives."""
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], mode: str, groups: DPGroups,
-                 bucket_bytes: int, device: torch.device, comm_dtype: torch.dtype = torch.float32):
+                 bucket_bytes: int, device: torch.device, comm_dtype: torch.dtype = torch.float32,
+                 scopes: dict[int, Sequence[int]] | None = None):
+        """`scopes`: {key: indices into `params`}, each a contiguous run, together covering all of them."""
         if mode not in ("none", "zero1", "zero2"):
             raise ValueError(f"GradReducer handles none/zero1/zero2, not {mode!r}")
         self.mode, self.groups, self.device, self.comm_dtype = mode, groups, device, comm_dtype
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.locals = [local_tensor(p.detach()) for p in self.params]
-        self.buckets = plan_buckets([t.numel() for t in self.locals], max(bucket_bytes // 4, 1), groups.shards)
+        scopes = {None: range(len(self.params))} if scopes is None else {k: list(v) for k, v in scopes.items()}
+        if sorted(i for v in scopes.values() for i in v) != list(range(len(self.params))) or any(
+                list(v) != list(range(min(v), max(v) + 1)) for v in scopes.values() if v):
+            raise ValueError("reducer scopes must be contiguous runs of parameters covering each exactly once")
+        breaks = [min(v) for v in scopes.values() if v]
+        self.buckets = plan_buckets([t.numel() for t in self.locals], max(bucket_bytes // 4, 1), groups.shards,
+                                    breaks=breaks)
         self.where = {i: (b, off, n) for b, bucket in enumerate(self.buckets)
                       for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels)}
+        self.scopes = {k: (frozenset(v), [b for b, bk in enumerate(self.buckets) if bk.params[0] in set(v)])
+                       for k, v in scopes.items()}  # key -> (its parameters, its buckets in launch order)
         self.live_bytes = self.peak_bytes = 0
         full = mode != "zero2"
         self.full: list[torch.Tensor | None] = [self._alloc(b.size) if full else None for b in self.buckets]
         self.shard: list[torch.Tensor] | None = None if full else [self._alloc(b.shard_size) for b in self.buckets]
         self.hook_calls = {name: 0 for name in self.names}
         self.microbatches = 0
-        self._active = self._last = self._finish_due = False
+        self._active = self._last = False
+        self._final = [False] * len(self.buckets)  # reduced in a last context this step
         self._fresh_step = True
         self._queue: deque[_InFlight] = deque()
         self._tail: list[_InFlight] = []
@@ -179,24 +198,28 @@ class GradReducer:
         return [t for t in (self.shard or []) + self.full if t is not None]
 
     # -- one microbatch ------------------------------------------------------------------------
-    def begin(self, last: bool) -> None:
+    def begin(self, last: bool, scope=None) -> None:
+        """Open one backward (a microbatch, or under a pipeline one W/BW of chunk `scope`)."""
         if self._active:
             raise RuntimeError("backward_context entered while another is open; one microbatch at a time")
+        if scope not in self.scopes:
+            raise KeyError(f"no reducer scope {scope!r}; the reducer has {sorted(self.scopes, key=str)}")
         if self._fresh_step:
             self.peak_bytes, self._fresh_step = self.live_bytes, False
         self._active, self._last = True, last
+        self._scope, self._order = self.scopes[scope]
         self._fired = [False] * len(self.params)
         self._pending = [len(b.params) for b in self.buckets]
         self._ready = [False] * len(self.buckets)
-        self._next = 0
+        self._next = 0  # position in self._order
 
     def end(self, ok: bool) -> None:
-        """Close a microbatch: every parameter must have had its hook fire exactly once."""
+        """Close a backward: every parameter of the scope must have had its hook fire exactly once."""
         self._active = False
         if not ok:
             return
         self.microbatches += 1
-        missing = [self.names[i] for i, fired in enumerate(self._fired) if not fired]
+        missing = [self.names[i] for i in sorted(self._scope) if not self._fired[i]]
         if missing:
             raise RuntimeError(
                 f"{len(missing)} parameter(s) got no gradient in this microbatch's backward (e.g. {missing[:3]}): "
@@ -205,12 +228,17 @@ class GradReducer:
             )
         if self.mode == "zero2":  # nothing of a microbatch's full-size storage outlives it
             self._drain(0)
-        self._finish_due = self._finish_due or self._last
+        if self._last:
+            for b in self._order:
+                self._final[b] = True
 
     def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
         name = self.names[i]
         if not self._active:
             raise RuntimeError(f"gradient of {name} arrived outside sync.backward_context(); run every backward inside it")
+        if i not in self._scope:
+            raise RuntimeError(f"gradient of {name} arrived in a backward_context scoped to other parameters "
+                               "(another pipeline chunk's); open the context of the chunk whose backward runs")
         if self._fired[i]:
             raise RuntimeError(
                 f"the post-accumulate-grad hook of {name} fired twice in one microbatch's backward: its gradient "
@@ -230,8 +258,8 @@ class GradReducer:
             self._pending[b] -= 1
             if self._pending[b] == 0 and (self._last or self.mode == "zero2"):
                 self._ready[b] = True
-                while self._next < len(self.buckets) and self._ready[self._next]:
-                    self._launch(self._next)
+                while self._next < len(self._order) and self._ready[self._order[self._next]]:
+                    self._launch(self._order[self._next])
                     self._next += 1
 
     def _storage(self, b: int) -> torch.Tensor:
@@ -297,9 +325,10 @@ class GradReducer:
 
     def finish(self) -> None:
         """After the last microbatch: wait for every reduction, then average over dp."""
-        if not self._finish_due:
-            raise RuntimeError("finish_backward() without a completed backward_context(last=True): nothing was reduced")
-        self._finish_due = False
+        if not all(self._final):
+            raise RuntimeError("finish_backward() before a completed backward_context(last=True) of every "
+                               "parameter: some gradients were not reduced")
+        self._final = [False] * len(self.buckets)
         self._drain(0)
         for entry in self._tail:
             entry.work.wait()

@@ -39,7 +39,9 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 class GradSync(Protocol):
     optimizer: torch.optim.Optimizer
 
-    def backward_context(self, last: bool) -> contextlib.AbstractContextManager: ...
+    def backward_context(self, last: bool, stage: int | None = None) -> contextlib.AbstractContextManager:
+        """Around one backward: a microbatch's, or under pp one W/BW of pipeline stage `stage`."""
+        ...
 
     def finish_backward(self) -> None: ...
 
@@ -64,7 +66,7 @@ class LocalSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
-    def backward_context(self, last: bool) -> Iterator[None]:
+    def backward_context(self, last: bool, stage: int | None = None) -> Iterator[None]:
         no_sync = getattr(self.model, "no_sync", None)  # torch DDP: reduce only on the last microbatch
         with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
             yield

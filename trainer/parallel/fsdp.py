@@ -66,7 +66,7 @@ class FSDPSync(LocalSync):
         self.pp_group = pp_group
 
     @contextlib.contextmanager
-    def backward_context(self, last: bool) -> Iterator[None]:
+    def backward_context(self, last: bool, stage: int | None = None) -> Iterator[None]:
         for root in self.roots:
             root.set_requires_gradient_sync(last)
         yield

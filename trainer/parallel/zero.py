@@ -76,6 +76,19 @@ class OwnedSlice:
     tp_sharded: bool  # its elements are disjoint across the tp group (summed there for the norm)
 
 
+def _by_stage(named: list, stages: dict | None) -> tuple[list, dict[int, list[int]] | None]:
+    """Under pp (`stages`: this rank's stage modules) the parameters grouped by stage, latest stage
+    first, each group in the order given, and {stage: its indices}: one reducer scope per stage."""
+    if stages is None:
+        return named, None
+    stage_of = {id(q): s for s, module in stages.items() for q in module.parameters()}
+    order = sorted(named, key=lambda item: -stage_of[id(item[1])])  # stable: keeps the order within a stage
+    scopes: dict[int, list[int]] = {s: [] for s in stages}
+    for i, (_, q) in enumerate(order):
+        scopes[stage_of[id(q)]].append(i)
+    return order, scopes
+
+
 class BucketSync:
     """GradSync for none / zero1 / zero2 (see the module docstring)."""
 
@@ -87,7 +100,8 @@ class BucketSync:
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         bucket_bytes = bucket_bytes or int(p.bucket_mb * 2**20)
         comm = torch.bfloat16 if p.reduce_dtype.value == "bf16" else torch.float32
-        self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm)
+        order, scopes = _by_stage(named[::-1], model.__dict__.get("pipeline_stages"))
+        self.reducer = GradReducer(order, self.mode, self.groups, bucket_bytes, device, comm, scopes)
         self.slices = self._owned_slices()
         self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
         by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
@@ -117,8 +131,9 @@ class BucketSync:
 
     # -- GradSync ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def backward_context(self, last: bool) -> Iterator[None]:
-        self.reducer.begin(last)
+    def backward_context(self, last: bool, stage: int | None = None) -> Iterator[None]:
+        """One backward; under pp one W/BW of pipeline stage `stage`, `last` its final one of the step."""
+        self.reducer.begin(last, stage)
         ok = False
         try:
             yield

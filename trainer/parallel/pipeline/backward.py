@@ -13,9 +13,6 @@ Why not torch's `stage_backward_weight`: it assigns `param.grad` by hand, so
 post-accumulate-grad hooks (the data-parallel reducer's) never fire. Here W
 runs as one `torch.autograd.backward(..., inputs=params)`: every parameter's
 AccumulateGrad runs exactly once per W, which fires its hook exactly once.
-With `quiet=True` the gradients are computed with `torch.autograd.grad` and
-added to `.grad` by hand instead, so no hook fires (see runtime.py: a rank
-with several chunks lets the hooks fire only on each chunk's last W).
 
 The first stage's input is token ids (no gradient): B has nothing to do there
 and W runs the whole backward, as torch's runtime does.
@@ -40,30 +37,15 @@ class Pending:
     boundary: list[tuple[Any, tuple]] = field(default_factory=list)  # (node, saved grads) to pin in W
 
 
-def _accumulate(params: Sequence[torch.Tensor], roots: list, grads: list, quiet: bool) -> None:
-    if not roots:
-        return
-    if not quiet:  # AccumulateGrad: in place into .grad, hooks fire once per parameter
+def _accumulate(params: Sequence[torch.Tensor], roots: list, grads: list) -> None:
+    if roots:  # AccumulateGrad: in place into .grad, hooks fire once per parameter
         torch.autograd.backward(roots, grads, inputs=list(params))
-        return
-    found = torch.autograd.grad(roots, list(params), grads, allow_unused=True)
-    with torch.no_grad():
-        for p, g in zip(params, found):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
 
 
 def full_backward(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                  params: Sequence[torch.Tensor], quiet: bool = False) -> torch.Tensor | None:
+                  params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """BW: input and weight gradients in one pass; returns the input gradient (None on stage 0)."""
     targets = list(params) + ([inp] if inp is not None else [])
-    if quiet:
-        found = torch.autograd.grad([output], targets, [grad], allow_unused=True)
-        with torch.no_grad():
-            for p, g in zip(params, found):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-        return found[-1] if inp is not None else None
     torch.autograd.backward([output], [grad], inputs=targets)
     if inp is None:
         return None
@@ -91,11 +73,11 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.T
     return dinputs[0], pending
 
 
-def backward_weight(pending: Pending, params: Sequence[torch.Tensor], quiet: bool = False) -> None:
+def backward_weight(pending: Pending, params: Sequence[torch.Tensor]) -> None:
     """W: weight gradients from what B saved; releases the graph."""
     handles = [node.register_prehook(lambda _grads, saved=saved: saved) for node, saved in pending.boundary]
     try:
-        _accumulate(params, pending.roots, pending.grads, quiet)
+        _accumulate(params, pending.roots, pending.grads)
     finally:
         for handle in handles:
             handle.remove()

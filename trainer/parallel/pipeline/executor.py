@@ -87,7 +87,7 @@ class Executor:
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_context: GradContext,
-            quiet: Callable[[Action], bool] = lambda a: False, autocast=None) -> tuple[torch.Tensor | None, StepTiming]:
+            autocast=None) -> tuple[torch.Tensor | None, StepTiming]:
         """Execute the list once; returns (sum of loss/microbatches on the last stage's rank else None, timing)."""
         if len(microbatches) != self.microbatches:
             raise ValueError(f"the schedule has {self.microbatches} microbatches, got {len(microbatches)}")
@@ -114,7 +114,7 @@ class Executor:
             self.current = action
             clock.begin(action)
             began = time.perf_counter()
-            self._compute(action, grad_context, quiet)
+            self._compute(action, grad_context)
             if self.cost.get(action.kind):  # benchmarks: the action lasts `cost` seconds, its work included
                 time.sleep(max(self.cost[action.kind] - (time.perf_counter() - began), 0.0))
             clock.end()
@@ -197,7 +197,7 @@ class Executor:
         module's sharded parameters for whole ones while they are gathered (fsdp.py)."""
         return [p for p in self.stages[s].parameters() if p.requires_grad]
 
-    def _compute(self, a: Action, grad_context: GradContext, quiet: Callable[[Action], bool]) -> None:
+    def _compute(self, a: Action, grad_context: GradContext) -> None:
         s, mb = a.stage, a.microbatch
         last = s == self.last_stage
         if a.kind == Kind.F:
@@ -220,7 +220,7 @@ class Executor:
         ctx = self.loss_context() if last else contextlib.nullcontext()
         if a.kind == Kind.W:
             with grad_context(a), ctx:
-                backward_weight(slot.pending, self._params(s), quiet(a))
+                backward_weight(slot.pending, self._params(s))
             del self._slots[(s, mb)]
             return
         grad = None if last else self._take(("B", s, mb))
@@ -230,7 +230,7 @@ class Executor:
             slot.out = None
         else:  # BW
             with grad_context(a), ctx:
-                dinput = full_backward(slot.out, grad, slot.inp, self._params(s), quiet(a))
+                dinput = full_backward(slot.out, grad, slot.inp, self._params(s))
             del self._slots[(s, mb)]
         if s > 0:
             self._hand_on("B", s, mb, dinput)

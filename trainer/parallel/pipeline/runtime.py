@@ -15,25 +15,21 @@ bucketed reducer (zero.py) never see the weight gradients; its runtime posts
 p2p ops one at a time instead of our batches; and we time every action for
 the bubble metric. We still use torch's `stage_backward_input` for B.
 
-Data-parallel gradients (BucketSync's reducer takes each gradient in a
-post-accumulate-grad hook; a `backward_context(last)` must see every one of
-its parameters exactly once):
+Data-parallel gradients. BucketSync's reducer takes each gradient in a
+post-accumulate-grad hook, and a `backward_context` must see each of its
+parameters exactly once. Every W / BW is one microbatch's backward of one
+stage (chunk), so it runs in `backward_context(last=<the stage's final W>,
+stage=s)`, a context scoped to that stage's parameters (the reducer keeps
+each stage's buckets apart). Hooks fire once per parameter per microbatch
+(B fires none), gradients accumulate in place in the reducer's buffer (zero2:
+reduce-scattered after every W), and a stage's final W launches its
+reductions bucket by bucket as they complete, overlapping the rest of that W
+and, with several chunks per rank (interleaved-1f1b, zb-v), the other
+chunk's remaining passes.
 
-- one chunk per rank (gpipe, 1f1b, zb-h1, zb-h2): each W / BW is one
-  microbatch's backward of all the rank's parameters, so it runs inside its
-  own `backward_context(last=<the rank's final W>)`. Hooks fire once per
-  parameter per microbatch (B fires none), gradients accumulate in place in
-  the reducer's buffer, and the reductions launch in the final W, bucket by
-  bucket as they complete, overlapping the rest of it.
-- several chunks (interleaved-1f1b, zb-v): a chunk's W alone does not cover
-  the rank's parameters, and contexts cannot interleave. The whole step is
-  one `backward_context(last=True)`; W passes accumulate into `.grad` quietly
-  (no hook) except each chunk's final one, whose hooks fire once per
-  parameter per step with the whole step's gradient, so each chunk's buckets
-  reduce while the other chunk's last W passes still run. The price: a full
-  `.grad` per parameter during the step (no accumulation fusion, and zero2
-  keeps full gradients until the final W). A reducer whose contexts cover a
-  subset of parameters would lift it (see the report in the issue).
+zero3 (FSDPSync): FSDP2's own hooks do not fit B/W passes on stage modules;
+the step runs inside `sync.pipeline_step()`, which keeps parameters gathered
+and reduce-scatters once after the rank's last backward (fsdp.py).
 
 Global gradient norm: pipeline ranks hold disjoint parameters, so each rank's
 sum of squares (exact over tp/fsdp shards) is summed over the pp group
@@ -91,31 +87,20 @@ class Pipeline:
         self.sync = sync
         self.loss_rank = layout.rank_of(layout.num_stages - 1)
         dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
-        hooked = getattr(sync, "hook_calls", None) is not None  # gradients taken by post-accumulate-grad hooks
-        self.whole_step_context = hooked and len(self.stages) > 1
         self.fsdp = hasattr(sync, "pipeline_step")  # zero3: FSDP reduces once, after the step (fsdp.py)
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
 
     # -- the step -------------------------------------------------------------------------------
     def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
-        if self.whole_step_context or self.fsdp:
+        if self.fsdp:
             return contextlib.nullcontext()
-        return self.sync.backward_context(last=action in self.executor.final_backward)
-
-    def _quiet(self, action: Action) -> bool:
-        return self.whole_step_context and action not in self.executor.final_backward
+        return self.sync.backward_context(last=action in self.executor.final_backward, stage=action.stage)
 
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None) -> torch.Tensor:
         """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank."""
-        if self.fsdp:
-            outer = self.sync.pipeline_step()
-        elif self.whole_step_context:
-            outer = self.sync.backward_context(last=True)
-        else:
-            outer = contextlib.nullcontext()
-        with outer:
-            loss, timing = self.executor.run(microbatches, self._grad_context, self._quiet, autocast)
+        with self.sync.pipeline_step() if self.fsdp else contextlib.nullcontext():
+            loss, timing = self.executor.run(microbatches, self._grad_context, autocast)
         self.sync.finish_backward()
         self.last = timing
         self._window[0] += timing.busy
