@@ -11,7 +11,8 @@ from conftest import mantra, merge, tiny_config
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("nproc, parallel, tied", [(1, {}, True), (2, {"tp": 2}, False)], ids=["one-rank-tied", "tp2"])
+@pytest.mark.parametrize("nproc, parallel, tied", [(1, {}, True), (2, {"tp": 2}, False), (2, {"tp": 2}, True)],
+                         ids=["one-rank-tied", "tp2", "tp2-tied"])
 def test_export_round_trips_through_transformers(tmp_path, nproc, parallel, tied):
     from transformers import AutoModelForCausalLM
 

@@ -93,7 +93,7 @@ def test_num_params_matches_the_module(tie: bool) -> None:
         model = SPEC.build(cfg)
     assert SPEC.num_params(cfg) == sum(p.numel() for p in model.parameters())
     assert SPEC.num_embedding_params(cfg) == model.tok_embeddings.weight.numel()
-    assert (model.output is None) == tie
+    assert (sum(p.numel() for p in model.output.parameters()) == 0) == tie  # a TiedHead owns nothing
 
 
 def test_flops_per_token_follows_the_palm_convention() -> None:

@@ -87,7 +87,6 @@ CASES = [
     ("model-kv-heads", with_lines(l6="  kv_heads: 3"), [], "6:13", "model.kv_heads", ""),
     ("data-path-missing", with_lines(l15="  source: tokens\n  path: nowhere/train.bin"), [], "16:9", "data.path", "does not exist"),
     ("text-vocab-too-small", with_lines(l8="  vocab: 100", l15="  source: text\n  path: manifests/data/python-docs.txt"), [], "14:1", "data.tokenizer", "256"),
-    ("not-supported-tied-tp", plus("parallel:\n  tp: 2\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=2"], "10:19", "model.tie_embeddings", "not supported yet"),
     ("tp-vocab", with_lines(l8="  vocab: 257") + "parallel:\n  tp: 2\n", ["launcher.nproc=2"], "8:10", "model.vocab", "does not split over tp = 2"),
     ("tp-ffn", with_lines(l7="  ffn_dim: 130") + "parallel:\n  tp: 4\n  dp_replicate: 1\n", ["launcher.nproc=4", "model.kv_heads=4"], "7:12", "model.ffn_dim", "use a multiple of 4"),
     ("slurm-world-mismatch", plus("launcher:\n  kind: slurm\n  slurm: {nodes: 2, gpus_per_node: 4}\nparallel:\n  dp_replicate: 2\n  dp_shard: 1\n"), [], "19:1", "parallel", "the world size is 8 (launcher.slurm.nodes · gpus_per_node = 8)"),

@@ -41,3 +41,25 @@ def test_adamw_tp_sp_losses_match(tmp_path):
     one = train_on_ranks(tmp_path, "adam1", 1)[0]
     two = train_on_ranks(tmp_path, "adam-tp2", 2, {"parallel": {"tp": 2, "sequence_parallel": True}})[0]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+TIED = SGD | {"model": {"tie_embeddings": True}}
+TIED_LAYOUTS = {
+    "tied-tp2": (2, {"tp": 2}),
+    "tied-tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "tied-dp2-tp2-sp-zero2": (4, {"tp": 2, "sequence_parallel": True, "optimizer_sharding": "zero2"}),
+    "tied-dp2-tp2-zero3": (4, {"tp": 2, "optimizer_sharding": "zero3"}),
+}
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    return train_on_ranks(tmp_path_factory.mktemp("tied-ref"), "tied-single", 1, TIED)
+
+
+@pytest.mark.parametrize("name", TIED_LAYOUTS)
+def test_tied_embeddings_match_one_process(name, tied_reference, tmp_path):
+    """Tied embeddings under tp: the head multiplies by the embedding's vocab-row shards (TiedHead),
+    the embedding weight takes both gradients once, the logits stay vocab-parallel."""
+    nproc, parallel = TIED_LAYOUTS[name]
+    assert_same_training(tied_reference, train_on_ranks(tmp_path, name, nproc, TIED | {"parallel": parallel}))

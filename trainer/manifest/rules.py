@@ -207,8 +207,6 @@ _SPLIT_BACKWARD = (Schedule.zb_h1, Schedule.zb_h2, Schedule.zb_v)  # B and W as 
 @rule
 def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
-    if p.tp > 1 and m.model.tie_embeddings:
-        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with tensor parallel; set false or use tp: 1")
     if p.pp > 1 and p.schedule in _SPLIT_BACKWARD and m.train.activation_checkpointing == Recompute.selective:
         yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute with {p.schedule.value} "
                       "(torch's selective checkpoint allows one backward per region; B and W are two); "

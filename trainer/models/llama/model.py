@@ -110,9 +110,17 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiedHead(nn.Module):
+    """The output head of a tied model: logits from the embedding matrix, which it is handed (it owns
+    no parameter, so the tie survives to_empty, sharding and checkpoints). A module, so that tensor
+    parallel can lay out its inputs (parallelize.py)."""
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight)
+
+
 class Transformer(nn.Module):
-    """The decoder. With tie_embeddings there is no `output` module: the head reuses
-    tok_embeddings.weight, so the tie survives to_empty, sharding and checkpoints."""
+    """The decoder. With tie_embeddings `output` is a TiedHead over tok_embeddings.weight."""
 
     def __init__(self, cfg: ModelSection) -> None:
         super().__init__()
@@ -120,7 +128,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.output = TiedHead() if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rope_cache(cfg.dim // cfg.heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # refilled by init_buffers
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -140,8 +148,14 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h)
-        logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
-        return logits.float()
+        return head(self, h).float()
+
+
+def head(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Logits from the final normed hidden state: the output projection, or the tied embedding."""
+    if isinstance(model.output, TiedHead):
+        return model.output(h, model.tok_embeddings.weight)
+    return model.output(h)
 
 
 def build(cfg: ModelSection) -> Transformer:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from trainer.manifest.schema import Sharding
+from trainer.models.llama.model import TiedHead
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.recompute import apply_activation_checkpointing
 from trainer.parallel.tensor import apply_tensor_parallel
@@ -55,10 +56,12 @@ def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parall
     and head. With sequence parallel the norms and residual stream stay sharded along the sequence
     (Shard(1)) and the tp all-reduce becomes all-gather before, reduce-scatter after each block half."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    root = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-    }
+    if isinstance(model.output, TiedHead):  # the embedding's vocab-row shards are the head's: logits Shard(-1)
+        head = PrepareModuleInput(input_layouts=(seq, Shard(0)), desired_input_layouts=(Replicate(), Shard(0)),
+                                  use_local_output=False)
+    else:
+        head = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    root = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq), "output": head}
     if sequence_parallel:
         root["norm"] = SequenceParallel()
     apply_tensor_parallel(model, tp_mesh, root)

@@ -11,7 +11,7 @@ parameters of the whole model.
     last stage         its layers + norm + output (the loss is taken on its logits)
 
 The decoder contract (met by the llama plugin): `tok_embeddings`, `layers`
-(a ModuleDict keyed "0".."N-1"), `norm`, `output` (None when tied),
+(a ModuleDict keyed "0".."N-1"), `norm`, `output` (a TiedHead when tied: pp > 1 refuses tied embeddings for now),
 `rope_cos` / `rope_sin` buffers, and blocks called as `block(h, cos, sin)`.
 """
 
