@@ -77,7 +77,6 @@ CASES = [
     ("stage-layers-count", plus("parallel:\n  pp: 2\n  stage_layers: [1, 0, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "3 entries for pp·virtual_stages = 2·1 = 2 stages"),
     ("stage-layers-sum", plus("parallel:\n  pp: 2\n  stage_layers: [2, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "sum to 3 but model.layers is 2"),
     ("not-supported-pp-tied", plus("parallel:\n  pp: 2\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=2", "train.micro_batch=2"], "10:19", "model.tie_embeddings", "not supported yet: tied embeddings with pp > 1"),
-    ("not-supported-zb-selective", with_lines(l13="  steps: 5\n  activation_checkpointing: selective") + "parallel:\n  pp: 2\n  schedule: zb-h1\n", ["launcher.nproc=2", "train.micro_batch=2"], "14:29", "train.activation_checkpointing", "selective recompute with zb-h1"),
     ("1f1b-microbatches", with_lines(l12="  micro_batch: 8") + "parallel:\n  pp: 2\n", ["launcher.nproc=2"], "16:1", "parallel.microbatches", "needs at least pp = 2 microbatches, got 1"),
     ("batch-mismatch", with_lines(l11="  global_batch: 10"), [], "11:17", "train.global_batch", "not divisible by micro_batch·dp = 4·1"),
     ("batch-three-disagree", plus("parallel:\n  microbatches: 3\n"), [], "11:17", "train.global_batch", "8 != micro_batch·microbatches·dp"),

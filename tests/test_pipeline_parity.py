@@ -40,7 +40,10 @@ SCHEDULES = {
     "zb-h2": {"schedule": "zb-h2"},
     "zb-v": {"schedule": "zb-v", "virtual_stages": 2},
 }
-TWO_RANKS = {f"pp2-{name}": {"pp": 2} | s for name, s in SCHEDULES.items()}
+TWO_RANKS = {f"pp2-{name}": {"pp": 2} | s for name, s in SCHEDULES.items()} | {
+    "pp2-zb-h1-selective": {"pp": 2, "schedule": "zb-h1", "activation_checkpointing": "selective"},  # B and W
+    "pp2-zb-v-full": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "activation_checkpointing": "full"},
+}
 FOUR_RANKS = {f"pp4-{name}": {"pp": 4} | s for name, s in SCHEDULES.items()} | {
     "pp2-dp2-zero1-zb-h1": {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero1", "bucket_mb": SMALL_BUCKETS},
     "pp2-dp2-zero2-1f1b": {"pp": 2, "schedule": "1f1b", "optimizer_sharding": "zero2", "bucket_mb": SMALL_BUCKETS},
@@ -63,7 +66,10 @@ def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
 
     paths = []
     for name, parallel in layouts.items():
-        config = merge(tiny_config(name, tmp / name, STEPS), BASE | {"launcher": {"nproc": nproc}, "parallel": parallel})
+        parallel = dict(parallel)
+        train = {"activation_checkpointing": parallel.pop("activation_checkpointing", "none")}
+        config = merge(tiny_config(name, tmp / name, STEPS),
+                       BASE | {"launcher": {"nproc": nproc}, "parallel": parallel, "train": train})
         paths.append(tmp / f"{name}.yaml")
         paths[-1].write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -14,7 +14,7 @@ from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
-from trainer.manifest.schema import Manifest, Recompute, Schedule, Sharding
+from trainer.manifest.schema import Manifest, Schedule, Sharding
 from trainer.manifest.source import SourceTree
 
 
@@ -201,16 +201,11 @@ def data_source(m: Manifest) -> Iterator[Finding]:
 
 
 _LATER = "not supported yet"
-_SPLIT_BACKWARD = (Schedule.zb_h1, Schedule.zb_h2, Schedule.zb_v)  # B and W as separate passes
 
 
 @rule
 def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
-    if p.pp > 1 and p.schedule in _SPLIT_BACKWARD and m.train.activation_checkpointing == Recompute.selective:
-        yield Finding("train.activation_checkpointing", f"{_LATER}: selective recompute with {p.schedule.value} "
-                      "(torch's selective checkpoint allows one backward per region; B and W are two); "
-                      "use full or none, or a schedule without split backward (1f1b, interleaved-1f1b, gpipe)")
     if p.pp > 1 and m.model.tie_embeddings:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with pp > 1 (the head sits on another stage "
                       "than the embedding); set false or use pp: 1")

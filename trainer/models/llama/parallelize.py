@@ -37,7 +37,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         from trainer.parallel.pipeline.split import split_model
 
         split_model(model, run, mesh["pp"].get_local_rank())
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value)
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
     if train.compile:
         apply_compile(model.layers)
     if p.pp > 1:  # the stage modules the pipeline calls (over the wrapped blocks; FSDP roots under zero3)
@@ -49,6 +49,18 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
 
         apply_fsdp(model, mesh, run, device)
     return model
+
+
+def backward_passes(run: Resolved) -> int:
+    """2 when the pipeline schedule runs each backward as separate B and W passes (zb-*), else 1."""
+    p = run.manifest.parallel
+    if p.pp == 1:
+        return 1
+    from trainer.parallel.pipeline.actions import Kind
+    from trainer.parallel.pipeline.schedules import compute_order
+
+    ranks = compute_order(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages)
+    return 2 if any(a.kind == Kind.W for actions in ranks for a in actions) else 1
 
 
 def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
