@@ -143,14 +143,14 @@ def test_gradient_hooks_and_reductions_fire_once(name, four_ranks):
 @pytest.mark.parametrize("name", ZERO3_LAYOUTS)
 def test_zero3_gathers_and_reduces_once_per_step(name, four_ranks):
     """zero3 under pp (fsdp.py): each FSDP unit of a rank all-gathers once per step (at its first
-    forward, not per microbatch) and reduce-scatters once per step, after the rank's last action."""
+    forward, not per microbatch) and reduce-scatters once per step, right after its stage's final W/BW."""
     probes = four_ranks[name]["probe"]
     assert len(probes) == 4
     for probe in probes:
         assert probe["units"] >= 2, probe  # the blocks, plus the root holding the embedding or the head
         assert probe["all_gathers"] == STEPS * probe["units"], probe
         assert len(probe["launches"]) == STEPS * probe["units"], probe
-        assert all(kind is None for kind, _ in probe["launches"]), probe  # after the actions, not inside one
+        assert all(kind in ("W", "BW") and final for kind, final in probe["launches"]), probe
 
 
 # -- the launched side ----------------------------------------------------------------------------

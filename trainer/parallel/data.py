@@ -116,7 +116,7 @@ def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> 
         stages = model.__dict__.get("pipeline_stages")  # pp > 1: the stage modules are the FSDP roots
         if stages is None:
             return FSDPSync(model, optimizer)
-        return FSDPSync(model, optimizer, roots=list(stages.values()), pp_group=mesh["pp"].get_group())
+        return FSDPSync(model, optimizer, stages=stages, pp_group=mesh["pp"].get_group())
     from trainer.parallel.zero import BucketSync
 
     return BucketSync(model, run, mesh, device)

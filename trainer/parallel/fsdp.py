@@ -15,9 +15,10 @@ do not know of. So, as torch.distributed.pipelining and torchtitan do:
     the step  a stage's parameters are all-gathered at its first forward and
               stay whole (no reshard after forward or backward); gradients
               accumulate whole, unsynchronised, over every microbatch
-    the end   after the rank's last backward `finish_pipeline_step` runs each
-              unit's post-backward by hand: one reduce-scatter per unit, then
-              reshard
+    the end   right after a stage's final W/BW of the step, `reduce_stage` runs
+              each of its units' post-backward by hand: one reduce-scatter per
+              unit, then reshard (with several chunks per rank the first chunk's
+              reductions overlap the other's remaining passes)
 
 One all-gather and one reduce-scatter per parameter per step (not one per
 microbatch), at the price of whole parameters and gradients of the rank's
@@ -28,7 +29,7 @@ manifest check warns about it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,15 +56,17 @@ def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device) -> None:
 class FSDPSync(LocalSync):
     """FSDP2 reduce-scatters each block's gradients during backward; accumulation skips it until the last microbatch.
 
-    `roots` are the FSDP roots: the model, or under pp the rank's stage modules
-    (then `pp_group` also sums the gradient norm over the pipeline stages).
+    The FSDP roots are the model, or under pp the rank's stage modules (`stages`, {stage: root}; then
+    `pp_group` also sums the gradient norm over the pipeline stages).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 roots: Sequence[FSDPModule] | None = None, pp_group: dist.ProcessGroup | None = None):
+                 stages: dict[int, FSDPModule] | None = None, pp_group: dist.ProcessGroup | None = None):
         super().__init__(model, optimizer)
-        self.roots = list(roots) if roots is not None else [model]
+        self.stages = dict(stages or {})
+        self.roots = list(self.stages.values()) if stages else [model]
         self.pp_group = pp_group
+        self._reduced: set[int] = set()
 
     @contextlib.contextmanager
     def backward_context(self, last: bool, stage: int | None = None) -> Iterator[None]:
@@ -73,22 +76,32 @@ class FSDPSync(LocalSync):
 
     @contextlib.contextmanager
     def pipeline_step(self) -> Iterator[None]:
-        """Around one pipeline step: gradients accumulate whole and unreduced, parameters stay gathered;
-        on exit each unit reduce-scatters once and reshards (the module docstring's "the end")."""
+        """Around one pipeline step: gradients accumulate whole and unreduced, parameters stay gathered
+        until `reduce_stage` (every stage not reduced by then is reduced on exit)."""
+        self._reduced.clear()
         for root in self.roots:
             root.set_is_last_backward(False)
             root.set_reshard_after_backward(False)
             root.set_requires_gradient_sync(False)
         yield
-        for root in self.roots:
-            root.set_is_last_backward(True)
-            root.set_reshard_after_backward(True)
-            root.set_requires_gradient_sync(True)
-            state = fully_shard.state(root)
-            for unit in state._state_ctx.all_states:  # private API, as torch.distributed.pipelining uses it
-                for group in unit._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()  # waits for the reduce-scatters (GPU streams)
+        for stage in self.stages:
+            self.reduce_stage(stage)
+
+    def reduce_stage(self, stage: int) -> None:
+        """After stage `stage`'s final backward of the step: each of its units reduce-scatters its whole
+        gradient once and reshards (the module docstring's "the end")."""
+        if stage in self._reduced:
+            return
+        self._reduced.add(stage)
+        root = self.stages[stage]
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)
+        for unit in state._state_ctx.all_states:  # private API, as torch.distributed.pipelining uses it
+            for group in unit._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()  # orders the reduce-scatters before later use (GPU streams)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.pp_group is None:

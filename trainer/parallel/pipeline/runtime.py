@@ -28,8 +28,8 @@ and, with several chunks per rank (interleaved-1f1b, zb-v), the other
 chunk's remaining passes.
 
 zero3 (FSDPSync): FSDP2's own hooks do not fit B/W passes on stage modules;
-the step runs inside `sync.pipeline_step()`, which keeps parameters gathered
-and reduce-scatters once after the rank's last backward (fsdp.py).
+the step runs inside `sync.pipeline_step()`, which keeps parameters gathered,
+and each stage reduce-scatters once, right after its final W/BW (fsdp.py).
 
 Global gradient norm: pipeline ranks hold disjoint parameters, so each rank's
 sum of squares (exact over tp/fsdp shards) is summed over the pp group
@@ -93,9 +93,10 @@ class Pipeline:
 
     # -- the step -------------------------------------------------------------------------------
     def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
-        if self.fsdp:
-            return contextlib.nullcontext()
-        return self.sync.backward_context(last=action in self.executor.final_backward, stage=action.stage)
+        final = action in self.executor.final_backward
+        if self.fsdp:  # FSDP reduces a stage right after its final backward of the step
+            return _after(lambda: self.sync.reduce_stage(action.stage)) if final else contextlib.nullcontext()
+        return self.sync.backward_context(last=final, stage=action.stage)
 
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None) -> torch.Tensor:
         """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank."""
@@ -127,6 +128,12 @@ class Pipeline:
         rows = [(max(s - b, 0.0), b, s) for b, s in table.tolist()]
         idle, busy_w, span_w = max(rows, key=lambda r: r[0] / r[2] if r[2] else 0.0)
         return {"busy_s": busy_w, "idle_s": idle, "bubble": idle / span_w if span_w else None}
+
+
+@contextlib.contextmanager
+def _after(fn):
+    yield
+    fn()
 
 
 def build_pipeline(model: torch.nn.Module, sync, run, mesh, device: torch.device) -> Pipeline:
