@@ -8,10 +8,7 @@ The manifest is validated first (a bad one never reaches the queue) and its reso
 written into the run directory; every task runs `run_task` on that file, which derives torch's
 env:// variables from Slurm's and calls the same rank entry point `mantra run` uses.
 
-Job state never depends on sacct alone: slurmctld is asked first (`scontrol show job`, which
-knows a finished job for MinJobAge seconds), then accounting if the cluster has it, then the
-job's own result files that submitit writes per task. submitit's `job.result()` (sacct only,
-and it waits forever for a job that died before writing its result) is never called.
+Following a job to its end (state without sacct, rank 0's log, the report): launchers/slurm_follow.py.
 What runs inside the job (the script, each task, requeue and preemption): launchers/sbatch.py.
 """
 
@@ -25,19 +22,16 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
 from launchers.sbatch import BadRequest, python_for, run_task, sbatch_parameters, sbatch_script
+from launchers.slurm_follow import rank0_logs, wait_for
 from launchers.sweep import parse_sweeps
 from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
 
-# States after which Slurm does nothing more with a job (a requeued job goes back to PENDING instead).
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"})
 
 
 class SlurmError(Exception):
@@ -213,13 +207,6 @@ def submit(runs: list[Resolved], base_dir: Path) -> list[Submitted]:
     return [Submitted(str(job.job_id), run, folder, ntasks, job) for job, run in zip(jobs, runs)]
 
 
-def rank0_logs(sub: Submitted) -> tuple[Path, Path]:
-    from submitit.core.utils import JobPaths
-
-    paths = JobPaths(sub.folder, job_id=sub.job_id, task_id=0)
-    return paths.stdout, paths.stderr
-
-
 def describe(subs: list[Submitted], out: TextIO) -> None:
     """What was submitted: job ids, the run (= tracking run) names, run directories and rank 0's logs."""
     first = subs[0]
@@ -262,150 +249,3 @@ def print_sbatch_script(run: Resolved, out: TextIO = sys.stdout) -> None:
         raise SlurmError(str(exc), 2) from None
     print(f"sbatch script (not submitted; `mantra submit {run.source}` sends it):", file=out)
     print(script, file=out)
-
-
-# ---------------------------------------------------------------------------- job state without sacct
-
-@dataclass(frozen=True)
-class JobState:
-    state: str  # Slurm's word: PENDING, RUNNING, COMPLETED, FAILED, ... or UNKNOWN
-    exit_code: str = ""  # "rc:signal"
-    reason: str = ""
-    restarts: int = 0
-    source: str = "scontrol"
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL or self.state == "UNKNOWN"
-
-
-def _field(line: str, key: str) -> str:
-    m = re.search(rf"(?:^|\s){key}=(\S*)", line)
-    return m.group(1) if m else ""
-
-
-def _quiet(cmd: list[str]) -> subprocess.CompletedProcess | None:
-    if shutil.which(cmd[0]) is None:
-        return None
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def job_state(sub: Submitted) -> JobState:
-    # 1. slurmctld, which remembers a finished job for MinJobAge seconds
-    proc = _quiet(["scontrol", "show", "job", "-o", sub.job_id])
-    if proc is not None and proc.returncode == 0 and "JobState=" in proc.stdout:
-        line = proc.stdout.splitlines()[0]
-        state = _field(line, "JobState")
-        return JobState(state, _field(line, "ExitCode"), _field(line, "Reason"), int(_field(line, "Restarts") or 0))
-    # 2. accounting, on clusters that have it
-    proc = _quiet(["sacct", "-n", "-X", "-P", "-j", sub.job_id, "-o", "State,ExitCode"])
-    if proc is not None and proc.returncode == 0 and proc.stdout.strip():
-        state, _, code = proc.stdout.splitlines()[0].partition("|")
-        return JobState(state.split()[0], code, source="sacct")
-    # 3. the job's own result files (one per task)
-    return results_state(sub)
-
-
-def task_outcomes(sub: Submitted) -> list[tuple[str, Any] | None]:
-    """Per task: ("success", value) or ("error", traceback), or None where it wrote no result."""
-    from submitit.core.utils import JobPaths, pickle_load
-
-    out = []
-    for task in range(sub.ntasks):
-        path = JobPaths(sub.folder, job_id=sub.job_id, task_id=task).result_pickle
-        try:
-            out.append(pickle_load(path))
-        except (OSError, EOFError):
-            out.append(None)
-    return out
-
-
-def results_state(sub: Submitted) -> JobState:
-    outcomes = task_outcomes(sub)
-    if any(o is not None and o[0] == "error" for o in outcomes):
-        return JobState("FAILED", source="results")
-    if all(o is not None for o in outcomes):
-        return JobState("COMPLETED", "0:0", source="results")
-    return JobState("UNKNOWN", reason="Slurm no longer knows the job and it left no result", source="results")
-
-
-class LogFollower:
-    """Prints what a job appends to its log files, whole lines only."""
-
-    def __init__(self, files: list[tuple[Path, TextIO]], prefix: str = ""):
-        self.files = files
-        self.prefix = prefix
-        self.offsets = {path: 0 for path, _ in files}
-
-    def pump(self) -> None:
-        for path, stream in self.files:
-            try:
-                with path.open("rb") as f:
-                    f.seek(self.offsets[path])
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            cut = data.rfind(b"\n") + 1
-            if cut:
-                self.offsets[path] += cut
-                for line in data[:cut].decode(errors="replace").splitlines():
-                    print(self.prefix + line, file=stream)
-                stream.flush()
-
-
-def wait_for(subs: list[Submitted], poll_s: float = 2.0) -> int:
-    """Follow the jobs to their end, streaming rank 0's log; 0 when every one completed, else 1."""
-    many = len(subs) > 1
-    followers = {}
-    for sub in subs:
-        log, err = rank0_logs(sub)
-        followers[sub.job_id] = LogFollower([(log, sys.stdout), (err, sys.stderr)],
-                                            f"[{sub.run.manifest.name}] " if many else "")
-    last: dict[str, JobState] = {}
-    remaining = list(subs)
-    while remaining:
-        for follower in followers.values():
-            follower.pump()
-        for sub in list(remaining):
-            st = job_state(sub)
-            before = last.get(sub.job_id)
-            if before is not None and st.restarts > before.restarts:
-                print(f"mantra: job {sub.job_id} was requeued (restart {st.restarts}); it resumes from its last "
-                      "committed checkpoint", file=sys.stderr)
-            if st.state == "PENDING" and st.reason not in ("", "None") and (before is None or before.reason != st.reason):
-                print(f"mantra: job {sub.job_id} pending ({st.reason})", file=sys.stderr)
-            last[sub.job_id] = st
-            if st.done:
-                remaining.remove(sub)
-        for follower in followers.values():
-            follower.pump()
-        if remaining:
-            time.sleep(poll_s)
-    return report(subs, last)
-
-
-def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
-    status = 0
-    for sub in subs:
-        st = states[sub.job_id]
-        name = sub.run.manifest.name
-        log, err = rank0_logs(sub)
-        outcomes = task_outcomes(sub)
-        if st.state == "COMPLETED" and all(o is not None and o[0] == "success" for o in outcomes):
-            values = [o[1] for o in outcomes]
-            loss = next((v.get("final_loss") for v in values if isinstance(v, dict) and v.get("final_loss") is not None), None)
-            steps = next((v.get("steps") for v in values if isinstance(v, dict) and v.get("steps") is not None), None)
-            tail = f", {steps} steps, final loss {loss:.4f}" if loss is not None and steps is not None else ""
-            print(f"job {sub.job_id} ({name}) completed: {len(values)} ranks{tail}; run dir {sub.run.run_dir}")
-            continue
-        status = 1
-        for task, outcome in enumerate(outcomes):
-            if task and outcome is not None and outcome[0] == "error":  # rank 0's traceback is in the log above
-                print(f"rank {task} of job {sub.job_id} failed:\n{outcome[1]}", file=sys.stderr)
-        reason = f", {st.reason}" if st.reason and st.reason != "None" else ""
-        print(f"error: job {sub.job_id} ({name}) ended {st.state} (exit {st.exit_code or '?'}{reason}); "
-              f"rank 0 log: {err}", file=sys.stderr)
-    return status
