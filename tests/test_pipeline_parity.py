@@ -1,4 +1,5 @@
-"""Pipeline parallel vs one process: every schedule at pp 2 and 4, and pp with dp (zero1, zero2, zero3) and tp.
+"""Pipeline parallel vs one process: every schedule at pp 2 and 4, uneven splits at pp 3, and pp with dp
+(zero1, zero2, zero3) and tp.
 
 fp32 on CPU (gloo), SGD (exact parameters, DESIGN.md), 5 steps, clipping active, an 8-layer tiny
 llama so pp 4 with 2 virtual stages still has a layer per chunk. Loss and grad norm per step and
@@ -55,6 +56,11 @@ FOUR_RANKS = {f"pp4-{name}": {"pp": 4} | s for name, s in SCHEDULES.items()} | {
                                   "optimizer_sharding": "zero3"},
     "pp2-dp2-zero3-zb-v": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero3"},
 }
+THREE_RANKS = {  # 8 layers do not split evenly over 3 ranks: explicit splits, uneven stages
+    "pp3-1f1b": {"pp": 3, "schedule": "1f1b", "stage_layers": [3, 3, 2]},
+    "pp3-zb-h2": {"pp": 3, "schedule": "zb-h2", "stage_layers": [2, 3, 3]},
+    "pp3-zb-v": {"pp": 3, "schedule": "zb-v", "virtual_stages": 2, "stage_layers": [2, 1, 1, 1, 1, 2]},
+}
 DP_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") in ("zero1", "zero2")]
 ZERO3_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") == "zero3"]
 
@@ -96,6 +102,11 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("pp3"), 3, THREE_RANKS)
+
+
+@pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     return launch(tmp_path_factory.mktemp("pp4"), 4, FOUR_RANKS)
 
@@ -110,6 +121,11 @@ def check_run(reference, run: dict) -> None:
 @pytest.mark.parametrize("name", TWO_RANKS)
 def test_pp2_matches_one_process(name, reference, two_ranks):
     check_run(reference, two_ranks[name])
+
+
+@pytest.mark.parametrize("name", THREE_RANKS)
+def test_three_ranks_match_one_process(name, reference, three_ranks):
+    check_run(reference, three_ranks[name])
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)
