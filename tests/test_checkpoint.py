@@ -196,3 +196,31 @@ def test_checkpoint_reshards_to_another_layout(tmp_path, nproc, parallel):
     assert sorted(got) == list(range(11, 31))
     for step in range(11, 31):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_tied_pipeline_checkpoint_resumes_and_reshards(tmp_path):
+    """Tied embeddings under pp2: both pipeline ranks hold `tok_embeddings.weight` (the last stage's copy
+    for the head). Killed and resumed it repeats the straight run; its checkpoint loads into one process."""
+    tied = {"model": {"tie_embeddings": True}, "parallel": {"pp": 2}, "train": {"micro_batch": 2}}
+    straight = write(tmp_path, "straight", merge(CKPT, tied))
+    assert mantra_run(straight, 2).returncode == 0
+    expected = last_per_step(tmp_path / "straight")
+
+    path = write(tmp_path, "killed", merge(CKPT, tied))
+    proc = start(path, 2)
+    wait_for_step(tmp_path / "killed", 12, proc)
+    kill_group(proc)
+    again = mantra_run(path, 2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got = last_per_step(tmp_path / "killed")
+    assert sorted(got) == list(range(1, 41))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6), step
+
+    one = write(tmp_path, "one", merge(CKPT, {"model": {"tie_embeddings": True}, "checkpoint": {
+        "resume_from": str(tmp_path / "straight/ckpt/step-00000030")}}))  # keep: 2
+    proc = mantra_run(one, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_per_step(tmp_path / "one")
+    for step in range(31, 41):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step

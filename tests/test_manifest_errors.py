@@ -76,7 +76,7 @@ CASES = [
     ("v-without-interleave", plus("parallel:\n  virtual_stages: 2\n"), [], "17:19", "parallel.virtual_stages", "use schedule interleaved-1f1b or zb-v"),
     ("stage-layers-count", plus("parallel:\n  pp: 2\n  stage_layers: [1, 0, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "3 entries for pp·virtual_stages = 2·1 = 2 stages"),
     ("stage-layers-sum", plus("parallel:\n  pp: 2\n  stage_layers: [2, 1]\n"), ["launcher.nproc=2"], "18:17", "parallel.stage_layers", "sum to 3 but model.layers is 2"),
-    ("not-supported-pp-tied", plus("parallel:\n  pp: 2\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=2", "train.micro_batch=2"], "10:19", "model.tie_embeddings", "not supported yet: tied embeddings with pp > 1"),
+    ("not-supported-pp-tied-zero3", plus("parallel:\n  pp: 2\n  dp_shard: 2\n  optimizer_sharding: zero3\n").replace("  seq_len: 32\n", "  seq_len: 32\n  tie_embeddings: true\n"), ["launcher.nproc=4", "train.micro_batch=2"], "10:19", "model.tie_embeddings", "not supported yet: tied embeddings with zero3 and pp > 1"),
     ("1f1b-microbatches", with_lines(l12="  micro_batch: 8") + "parallel:\n  pp: 2\n", ["launcher.nproc=2"], "16:1", "parallel.microbatches", "needs at least pp = 2 microbatches, got 1"),
     ("batch-mismatch", with_lines(l11="  global_batch: 10"), [], "11:17", "train.global_batch", "not divisible by micro_batch·dp = 4·1"),
     ("batch-three-disagree", plus("parallel:\n  microbatches: 3\n"), [], "11:17", "train.global_batch", "8 != micro_batch·microbatches·dp"),

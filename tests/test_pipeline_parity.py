@@ -61,6 +61,23 @@ THREE_RANKS = {  # 8 layers do not split evenly over 3 ranks: explicit splits, u
     "pp3-zb-h2": {"pp": 3, "schedule": "zb-h2", "stage_layers": [2, 3, 3]},
     "pp3-zb-v": {"pp": 3, "schedule": "zb-v", "virtual_stages": 2, "stage_layers": [2, 1, 1, 1, 1, 2]},
 }
+TIED = {"tie_embeddings": True}  # the last stage keeps a copy of the embedding; their gradients are summed
+TIED_TWO = {
+    "pp2-1f1b-tied": {"pp": 2, "schedule": "1f1b"} | TIED,
+    "pp2-zb-v-tied": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2} | TIED,  # both ends on rank 0: no copy
+}
+TIED_FOUR = {
+    "pp4-interleaved-tied": {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2} | TIED,
+    "pp2-tp2-zb-h1-tied": {"pp": 2, "schedule": "zb-h1", "tp": 2} | TIED,
+    "pp2-dp2-zero1-zb-h1-tied": {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero1",
+                                 "bucket_mb": SMALL_BUCKETS} | TIED,
+    "pp2-dp2-zero2-zb-v-tied": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero2",
+                                "bucket_mb": SMALL_BUCKETS} | TIED,
+    "pp2-dp2-none-1f1b-tied": {"pp": 2, "schedule": "1f1b", "optimizer_sharding": "none", "dp_replicate": 2,
+                               "dp_shard": 1} | TIED,
+}
+TWO_RANKS |= TIED_TWO
+FOUR_RANKS |= TIED_FOUR
 DP_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") in ("zero1", "zero2")]
 ZERO3_LAYOUTS = [name for name, p in FOUR_RANKS.items() if p.get("optimizer_sharding") == "zero3"]
 
@@ -74,8 +91,9 @@ def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
     for name, parallel in layouts.items():
         parallel = dict(parallel)
         train = {"activation_checkpointing": parallel.pop("activation_checkpointing", "none")}
+        model = BASE["model"] | {"tie_embeddings": parallel.pop("tie_embeddings", False)}
         config = merge(tiny_config(name, tmp / name, STEPS),
-                       BASE | {"launcher": {"nproc": nproc}, "parallel": parallel, "train": train})
+                       BASE | {"launcher": {"nproc": nproc}, "parallel": parallel, "train": train, "model": model})
         paths.append(tmp / f"{name}.yaml")
         paths[-1].write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -94,6 +112,11 @@ def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return train_on_ranks(tmp_path_factory.mktemp("ref"), "single", 1, BASE, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    return train_on_ranks(tmp_path_factory.mktemp("tied-ref"), "tied", 1, merge(BASE, {"model": TIED}), steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +141,13 @@ def check_run(reference, run: dict) -> None:
         assert row["bubble"] == pytest.approx(row["idle_s"] / (row["busy_s"] + row["idle_s"]), rel=1e-9)
 
 
-@pytest.mark.parametrize("name", TWO_RANKS)
+@pytest.mark.parametrize("name", [*TIED_TWO, *TIED_FOUR])
+def test_tied_embeddings_match_one_process(name, tied_reference, two_ranks, four_ranks):
+    """Tied embeddings under pp: equal to a tied single process (the copies stay one weight)."""
+    check_run(tied_reference, (two_ranks | four_ranks)[name])
+
+
+@pytest.mark.parametrize("name", [n for n in TWO_RANKS if n not in TIED_TWO])
 def test_pp2_matches_one_process(name, reference, two_ranks):
     check_run(reference, two_ranks[name])
 
@@ -128,7 +157,7 @@ def test_three_ranks_match_one_process(name, reference, three_ranks):
     check_run(reference, three_ranks[name])
 
 
-@pytest.mark.parametrize("name", FOUR_RANKS)
+@pytest.mark.parametrize("name", [n for n in FOUR_RANKS if n not in TIED_FOUR])
 def test_four_ranks_match_one_process(name, reference, four_ranks):
     check_run(reference, four_ranks[name])
 
@@ -144,11 +173,12 @@ def test_gradient_hooks_and_reductions_fire_once(name, four_ranks):
     probes = [p for p in four_ranks[name]["probe"]]
     assert len(probes) == 4
     for probe in probes:
-        calls = set(probe["hook_calls"].values())
-        assert calls == {STEPS * microbatches}, (probe["rank"], calls)
+        for name, calls in probe["hook_calls"].items():  # a tied embedding on zb-v's rank 0: both ends' W passes
+            assert calls == STEPS * microbatches * probe["stages_of"][name], (probe["rank"], name, calls)
         launches = probe["launches"]
         assert all(kind in ("W", "BW") for kind, _ in launches), launches  # never during F or B
-        per_step = probe["buckets"] * (1 if parallel["optimizer_sharding"] == "zero1" else microbatches)
+        per_step = (probe["buckets"] if parallel["optimizer_sharding"] == "zero1"  # a shared bucket: per W of each
+                    else microbatches * sum(probe["bucket_owners"]))
         assert len(launches) == STEPS * per_step, (probe["rank"], len(launches), probe["buckets"])
         if parallel["optimizer_sharding"] == "zero1":
             assert all(final for _, final in launches), launches  # in the final W of the chunk: overlapped
@@ -228,7 +258,10 @@ def main(out: Path, manifests: list[Path]) -> None:
                 torch.save(params, out / f"{name}.pt")
             if getattr(sync, "hook_calls", None) is not None:
                 stage_of = {id(q): s for s, m in model.pipeline_stages.items() for q in m.parameters()}
+                holders = {n: sum(any(q is p for q in m.parameters()) for m in model.pipeline_stages.values())
+                           for n, p in model.named_parameters()}
                 probe = {"rank": rank, "hook_calls": sync.hook_calls, "buckets": len(sync.reducer.buckets),
+                         "stages_of": holders, "bucket_owners": sync.reducer.owners,
                          "launches": list(launches), "bucket_stages": [
                              [stage_of[id(sync.reducer.params[i])] for i in b.params] for b in sync.reducer.buckets]}
                 (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))

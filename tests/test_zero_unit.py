@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import merge, tiny_config
-from trainer.parallel.buckets import ALIGN, plan_buckets
+from trainer.parallel.buckets import ALIGN, plan_buckets, plan_grouped
 
 # -- the plan: pure -------------------------------------------------------------------------------
 
@@ -33,10 +33,11 @@ SIZES = [
 ]
 
 
-def test_breaks_start_a_new_bucket():
-    buckets = plan_buckets([4, 4, 4, 4], 1000, 1, breaks=[2])
-    assert [b.params for b in buckets] == [(0, 1), (2, 3)]
-    assert [b.params for b in plan_buckets([4, 4, 4, 4], 8, 1, breaks=[1, 3])] == [(0,), (1, 2), (3,)]
+def test_grouped_plan_keeps_groups_apart():
+    buckets = plan_grouped([4, 4, 4, 4], 1000, 1, [[0, 2], [1], [3]])
+    assert [b.params for b in buckets] == [(0, 2), (1,), (3,)]
+    assert [b.params for b in plan_grouped([4, 4, 4, 4], 8, 2, [[3, 2, 1], [0]])] == [(3, 2), (1,), (0,)]
+    assert all(b.size % (ALIGN * 2) == 0 for b in plan_grouped([4, 4, 4, 4], 8, 2, [[3, 2, 1], [0]]))
 
 
 @pytest.mark.parametrize(("sizes", "shards", "bucket_elems"),

@@ -206,9 +206,9 @@ _LATER = "not supported yet"
 @rule
 def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
-    if p.pp > 1 and m.model.tie_embeddings:
-        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with pp > 1 (the head sits on another stage "
-                      "than the embedding); set false or use pp: 1")
+    if p.pp > 1 and m.model.tie_embeddings and p.optimizer_sharding == Sharding.zero3:
+        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
+                      "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
     if p.cp > 1:
         yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
 

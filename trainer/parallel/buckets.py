@@ -10,10 +10,14 @@ group owns piece r (padding is zeros and belongs to no parameter).
                     ─> its owned piece all-reduced over the replicate group (HSDP, or dp for `none`)
     finish()        ─> wait for everything, divide by dp
 
-A backward_context may be scoped to one of several parameter groups (`scopes`: a pipeline
-rank's chunks, whose W passes interleave): buckets then never span two groups, only the
-scope's parameters may (and must) fire, its buckets launch in index order, and "last" is
-per group, so each chunk reduces inside its own final W.
+A backward_context may be scoped to one of several parameter sets (`scopes`: a pipeline
+rank's chunks, whose W passes interleave): only the scope's parameters may (and must) fire,
+its buckets launch in index order, and "last" is per scope, so each chunk reduces inside its
+own final W. No bucket mixes parameters of different scope sets. A parameter two chunks use
+(a tied embedding under zb-v) is in both scopes: its bucket takes both chunks' gradients and
+reduces after the later of their final W passes. `solo` parameters get buckets of their own
+(a tied embedding whose other copy sits on another pipeline rank, whose bucket layout must
+match).
 
 none/zero1 keep one persistent full-size buffer per bucket and communicate on the last
 microbatch only (earlier ones just accumulate). zero2 allocates a bucket's storage when its
@@ -74,15 +78,12 @@ class Bucket:
         return out
 
 
-def plan_buckets(numels: Sequence[int], bucket_elems: int, shards: int, align: int = ALIGN,
-                 breaks: Sequence[int] = ()) -> list[Bucket]:
-    """Greedy packing in the given order; a parameter larger than a bucket gets one to itself, and a
-    parameter whose index is in `breaks` starts a new bucket (pipeline chunks never share one)."""
+def plan_buckets(numels: Sequence[int], bucket_elems: int, shards: int, align: int = ALIGN) -> list[Bucket]:
+    """Greedy packing in the given order; a parameter larger than a bucket gets one to itself."""
     groups: list[list[int]] = []
     total = 0
-    cut = set(breaks)
     for i, n in enumerate(numels):
-        if not groups or (total + n > bucket_elems and total > 0) or i in cut:
+        if not groups or (total + n > bucket_elems and total > 0):
             groups.append([])
             total = 0
         groups[-1].append(i)
@@ -95,6 +96,16 @@ def plan_buckets(numels: Sequence[int], bucket_elems: int, shards: int, align: i
         used = sum(sizes)
         buckets.append(Bucket(tuple(group), tuple(offsets), tuple(sizes), max(-(-used // quantum), 1) * quantum, shards))
     return buckets
+
+
+def plan_grouped(numels: Sequence[int], bucket_elems: int, shards: int, groups: Sequence[Sequence[int]]) -> list[Bucket]:
+    """plan_buckets within each group of parameter indices (groups in the given order): no bucket
+    holds parameters of two groups."""
+    out = []
+    for group in groups:
+        for b in plan_buckets([numels[i] for i in group], bucket_elems, shards):
+            out.append(Bucket(tuple(group[j] for j in b.params), b.offsets, b.numels, b.size, b.shards))
+    return out
 
 
 @dataclass(frozen=True)
@@ -142,25 +153,29 @@ class GradReducer:
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], mode: str, groups: DPGroups,
                  bucket_bytes: int, device: torch.device, comm_dtype: torch.dtype = torch.float32,
-                 scopes: dict[int, Sequence[int]] | None = None):
-        """`scopes`: {key: indices into `params`}, each a contiguous run, together covering all of them."""
+                 scopes: dict[int, Sequence[int]] | None = None, solo: Sequence[int] = ()):
+        """`scopes`: {key: indices into `params`}, together covering all of them (module docstring)."""
         if mode not in ("none", "zero1", "zero2"):
             raise ValueError(f"GradReducer handles none/zero1/zero2, not {mode!r}")
         self.mode, self.groups, self.device, self.comm_dtype = mode, groups, device, comm_dtype
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.locals = [local_tensor(p.detach()) for p in self.params]
-        scopes = {None: range(len(self.params))} if scopes is None else {k: list(v) for k, v in scopes.items()}
-        if sorted(i for v in scopes.values() for i in v) != list(range(len(self.params))) or any(
-                list(v) != list(range(min(v), max(v) + 1)) for v in scopes.values() if v):
-            raise ValueError("reducer scopes must be contiguous runs of parameters covering each exactly once")
-        breaks = [min(v) for v in scopes.values() if v]
-        self.buckets = plan_buckets([t.numel() for t in self.locals], max(bucket_bytes // 4, 1), groups.shards,
-                                    breaks=breaks)
+        scopes = {None: range(len(self.params))} if scopes is None else scopes
+        member = [frozenset(k for k, v in scopes.items() if i in set(v)) for i in range(len(self.params))]
+        if not all(member):
+            raise ValueError(f"parameter {self.names[member.index(frozenset())]} is in no reducer scope")
+        sets: dict[tuple, list[int]] = {}  # parameters with the same scopes (and each solo one) bucket together
+        for i, m in enumerate(member):
+            sets.setdefault((m, i if i in set(solo) else -1), []).append(i)
+        self.buckets = plan_grouped([t.numel() for t in self.locals], max(bucket_bytes // 4, 1), groups.shards,
+                                    list(sets.values()))
         self.where = {i: (b, off, n) for b, bucket in enumerate(self.buckets)
                       for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels)}
-        self.scopes = {k: (frozenset(v), [b for b, bk in enumerate(self.buckets) if bk.params[0] in set(v)])
-                       for k, v in scopes.items()}  # key -> (its parameters, its buckets in launch order)
+        self.scopes = {k: (frozenset(i for i, m in enumerate(member) if k in m),
+                           [b for b, bk in enumerate(self.buckets) if k in member[bk.params[0]]])
+                       for k in scopes}  # key -> (its parameters, its buckets in launch order)
+        self.owners = [len(member[bk.params[0]]) for bk in self.buckets]  # scopes that feed each bucket
         self.live_bytes = self.peak_bytes = 0
         full = mode != "zero2"
         self.full: list[torch.Tensor | None] = [self._alloc(b.size) if full else None for b in self.buckets]
@@ -168,7 +183,7 @@ class GradReducer:
         self.hook_calls = {name: 0 for name in self.names}
         self.microbatches = 0
         self._active = self._last = False
-        self._final = [False] * len(self.buckets)  # reduced in a last context this step
+        self._lasts = [0] * len(self.buckets)  # last contexts of the step closed, per bucket
         self._fresh_step = True
         self._queue: deque[_InFlight] = deque()
         self._tail: list[_InFlight] = []
@@ -230,7 +245,7 @@ class GradReducer:
             self._drain(0)
         if self._last:
             for b in self._order:
-                self._final[b] = True
+                self._lasts[b] += 1
 
     def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
         name = self.names[i]
@@ -256,11 +271,15 @@ class GradReducer:
             self._storage(b)[off:off + n].add_(grad.reshape(-1))
             param.grad = None  # gradient-accumulation fusion: the buffer is the only copy
             self._pending[b] -= 1
-            if self._pending[b] == 0 and (self._last or self.mode == "zero2"):
+            if self._pending[b] == 0 and (self._final(b) or self.mode == "zero2"):
                 self._ready[b] = True
                 while self._next < len(self._order) and self._ready[self._order[self._next]]:
                     self._launch(self._order[self._next])
                     self._next += 1
+
+    def _final(self, b: int) -> bool:
+        """Is the open context bucket b's final one of the step (the last of every scope that feeds it)?"""
+        return self._last and self._lasts[b] + 1 == self.owners[b]
 
     def _storage(self, b: int) -> torch.Tensor:
         if self.full[b] is None:  # zero2: on demand, for one microbatch
@@ -272,8 +291,9 @@ class GradReducer:
         """Reduce-scatter bucket b (or hand it on as is when unsharded); called once it is complete."""
         src = self.full[b]
         g = self.groups
+        final = self._final(b)  # decided now: the delivery may run after this context has closed
         if g.shards == 1:
-            self._deliver(b, src)
+            self._deliver(b, src, final)
             return
         send = src if self.comm_dtype == src.dtype else self._cast(src)
         out = self._alloc(self.buckets[b].shard_size, self.comm_dtype)
@@ -282,21 +302,22 @@ class GradReducer:
         def finalize() -> None:
             if send is not src:
                 self._release(send)
-            self._deliver(b, out)
+            self._deliver(b, out, final)
             self._release(out)
 
         self._drain(MAX_IN_FLIGHT - 1)
         self._queue.append(_InFlight(work, finalize))
 
-    def _deliver(self, b: int, reduced_piece: torch.Tensor) -> None:
-        """Put this rank's reduced piece where it lives, drop zero2's bucket, start the replica all-reduce."""
+    def _deliver(self, b: int, reduced_piece: torch.Tensor, final: bool) -> None:
+        """Put this rank's reduced piece where it lives, drop zero2's bucket, and after the bucket's final
+        reduce-scatter of the step start the replica all-reduce."""
         if self.mode == "zero1" and self.groups.shards > 1:
             self.reduced(b).copy_(reduced_piece)
         elif self.mode == "zero2":
             self.shard[b].add_(reduced_piece)
             self._release(self.full[b])
             self.full[b] = None
-        if self._last and self.groups.replicate is not None:
+        if final and self.groups.replicate is not None:
             self._tail.append(self._all_reduce(self.reduced(b), self.groups.replicate))
 
     def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup) -> _InFlight:
@@ -325,10 +346,10 @@ class GradReducer:
 
     def finish(self) -> None:
         """After the last microbatch: wait for every reduction, then average over dp."""
-        if not all(self._final):
+        if self._lasts != self.owners:
             raise RuntimeError("finish_backward() before a completed backward_context(last=True) of every "
                                "parameter: some gradients were not reduced")
-        self._final = [False] * len(self.buckets)
+        self._lasts = [0] * len(self.buckets)
         self._drain(0)
         for entry in self._tail:
             entry.work.wait()

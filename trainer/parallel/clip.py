@@ -51,10 +51,11 @@ def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
-    """Scale the gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+def clip_grad_norm_(params, max_norm: float, across: Sequence[dist.ProcessGroup] = (), uncounted=()) -> torch.Tensor:
+    """Scale the gradients so their global norm is at most `max_norm`; returns the norm before clipping.
+    `uncounted` parameters are scaled but left out of the norm (a second copy of a tied weight)."""
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, across)
+    norm = global_grad_norm([p for p in params if not any(p is q for q in uncounted)], across)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

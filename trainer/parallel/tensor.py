@@ -27,7 +27,15 @@ def loss_context(tp: int) -> contextlib.AbstractContextManager:
 
 @torch.no_grad()
 def reduce_partial_grads(params) -> None:
+    """Gradients laid out like their parameters: Partial ones (summed over tp) reduced — all-reduced for
+    a Replicate parameter (norm weights under sequence parallel) — and a gradient that came back
+    Replicate for a sharded parameter (the vocab-parallel embedding's) cut to the parameter's rows."""
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+        if not isinstance(g, DTensor):
+            continue
+        if isinstance(p, DTensor) and p.device_mesh == g.device_mesh:
+            if g.placements != p.placements:
+                p.grad = g.redistribute(g.device_mesh, p.placements)
+        elif any(isinstance(pl, Partial) for pl in g.placements):
             p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])

@@ -76,17 +76,15 @@ class OwnedSlice:
     tp_sharded: bool  # its elements are disjoint across the tp group (summed there for the norm)
 
 
-def _by_stage(named: list, stages: dict | None) -> tuple[list, dict[int, list[int]] | None]:
-    """Under pp (`stages`: this rank's stage modules) the parameters grouped by stage, latest stage
-    first, each group in the order given, and {stage: its indices}: one reducer scope per stage."""
+def _stage_scopes(named: list, stages: dict | None, tie) -> tuple[dict[int, list[int]] | None, list[int]]:
+    """Under pp (`stages`: this rank's stage modules) one reducer scope per stage, {stage: indices into
+    `named`}, and the tied weight as a solo bucket when its other copy is on another rank (tied.py)."""
     if stages is None:
-        return named, None
-    stage_of = {id(q): s for s, module in stages.items() for q in module.parameters()}
-    order = sorted(named, key=lambda item: -stage_of[id(item[1])])  # stable: keeps the order within a stage
-    scopes: dict[int, list[int]] = {s: [] for s in stages}
-    for i, (_, q) in enumerate(order):
-        scopes[stage_of[id(q)]].append(i)
-    return order, scopes
+        return None, []
+    ids = {id(q): i for i, (_, q) in enumerate(named)}
+    scopes = {s: sorted(ids[id(q)] for q in module.parameters() if id(q) in ids) for s, module in stages.items()}
+    solo = [ids[id(q)] for q in tie.params] if tie is not None and tie.group is not None else []
+    return scopes, solo
 
 
 class BucketSync:
@@ -100,8 +98,9 @@ class BucketSync:
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         bucket_bytes = bucket_bytes or int(p.bucket_mb * 2**20)
         comm = torch.bfloat16 if p.reduce_dtype.value == "bf16" else torch.float32
-        order, scopes = _by_stage(named[::-1], model.__dict__.get("pipeline_stages"))
-        self.reducer = GradReducer(order, self.mode, self.groups, bucket_bytes, device, comm, scopes)
+        self.tie = model.__dict__.get("pipeline_tie")  # tied embeddings across pipeline stages, or None
+        scopes, solo = _stage_scopes(named[::-1], model.__dict__.get("pipeline_stages"), self.tie)
+        self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
         self.slices = self._owned_slices()
         self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
         by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
@@ -143,14 +142,20 @@ class BucketSync:
 
     def finish_backward(self) -> None:
         self.reducer.finish()
+        if self.tie is not None and self.tie.group is not None:  # sum the two holders' copies' gradients
+            index = {id(q): i for i, q in enumerate(self.reducer.params)}
+            self.tie.sum_([self.reducer.reduced(self.reducer.where[index[id(q)]][0]) for q in self.tie.params])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The exact global norm: squares over owned elements, summed over the shard group; tp-sharded
         parameters' sums added over tp, tp-replicated ones counted once; stages added over pp."""
         sums = []
+        uncounted = set()  # the last stage's copy of a tied weight: the first stage's counts (tied.py)
+        if self.tie is not None and not self.tie.counted:
+            uncounted = {i for i, q in enumerate(self.reducer.params) if any(q is t for t in self.tie.params)}
         for sharded in (True, False):
-            grads = [s.grad for s in self.slices.values() if s.tp_sharded == sharded]
+            grads = [s.grad for i, s in self.slices.items() if s.tp_sharded == sharded and i not in uncounted]
             norms = torch._foreach_norm(grads) if grads else []
             sums.append(sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64)))
         sq = torch.stack(sums).to(self.reducer.device)

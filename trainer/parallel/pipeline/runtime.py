@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from trainer.parallel.buckets import local_tensor
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import LocalSync
 from trainer.parallel.pipeline.actions import Action, Kind
@@ -57,14 +58,22 @@ log = logging.getLogger(__name__)
 
 
 class PipelineLocalSync(LocalSync):
-    """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline stages."""
+    """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline
+    stages, and which sums the gradients of a tied weight's two copies (tied.py)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup):
         super().__init__(model, optimizer)
         self.pp_group = pp_group
+        self.tie = model.__dict__.get("pipeline_tie")
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.tie is not None:
+            self.tie.sum_([local_tensor(p.grad) for p in self.tie.params])
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,))
+        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
+        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,), uncounted=uncounted)
 
 
 class Pipeline:

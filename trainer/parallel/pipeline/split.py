@@ -11,7 +11,7 @@ parameters of the whole model.
     last stage         its layers + norm + output (the loss is taken on its logits)
 
 The decoder contract (met by the llama plugin): `tok_embeddings`, `layers`
-(a ModuleDict keyed "0".."N-1"), `norm`, `output` (a TiedHead when tied: pp > 1 refuses tied embeddings for now),
+(a ModuleDict keyed "0".."N-1"), `norm`, `output` (a TiedHead when tied: the last stage keeps the embedding too, see tied.py),
 `rope_cos` / `rope_sin` buffers, and blocks called as `block(h, cos, sin)`.
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.llama.model import TiedHead
 from trainer.parallel.pipeline.stages import StageLayout
 
 
@@ -44,12 +45,14 @@ def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | None = 
 
 
 def keep_stages(model: nn.Module, layout: StageLayout, pp_rank: int, split: list[list[int]]) -> None:
-    """Delete from `model` (in place, any device) everything rank `pp_rank`'s stages do not run."""
+    """Delete from `model` (in place, any device) everything rank `pp_rank`'s stages do not run. With a
+    tied head the last stage keeps the embedding too: its copy of the weight (tied.py)."""
     held = layout.stages_of(pp_rank)
     keep = {str(i) for s in held for i in split[s]}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
-    if 0 not in held:
+    tied_head = isinstance(model.output, TiedHead) and layout.num_stages - 1 in held
+    if 0 not in held and not tied_head:
         model.tok_embeddings = None
     if layout.num_stages - 1 not in held:
         model.norm = None
@@ -72,6 +75,8 @@ class StageModule(nn.Module):
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
+        # a tied head multiplies by the embedding: the last stage holds it too (so W computes its share)
+        self.tied_embedding = model.tok_embeddings if self.is_last and isinstance(self.output, TiedHead) else None
         self._root = [model]  # a list: not registered as a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +90,8 @@ class StageModule(nn.Module):
         if not self.is_last:
             return h
         h = self.norm(h)
+        if self.tied_embedding is not None:
+            return self.output(h, self.tied_embedding.weight).float()
         return self.output(h).float()
 
 
@@ -117,7 +124,10 @@ def build_stages(model: nn.Module, run, pp_rank: int) -> dict[int, StageModule]:
     """The stage modules of rank `pp_rank`, kept on `model.pipeline_stages` (a plain attribute, not
     a submodule, so FQNs do not change). Call after activation checkpointing and compile have
     wrapped the blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
+    from trainer.parallel.pipeline.tied import build_tie
+
     layout, split = layout_for(run)
     stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
     object.__setattr__(model, "pipeline_stages", stages)  # bypass nn.Module registration
+    object.__setattr__(model, "pipeline_tie", build_tie(model, run, layout, pp_rank))  # tied embeddings, or None
     return stages
