@@ -198,19 +198,20 @@ def test_checkpoint_reshards_to_another_layout(tmp_path, nproc, parallel):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
-def test_tied_pipeline_checkpoint_resumes_and_reshards(tmp_path):
+@pytest.mark.parametrize("nproc, parallel", [(2, {}), (4, {"optimizer_sharding": "zero2"})], ids=["pp2", "pp2-dp2-zero2"])
+def test_tied_pipeline_checkpoint_resumes_and_reshards(tmp_path, nproc, parallel):
     """Tied embeddings under pp2: both pipeline ranks hold `tok_embeddings.weight` (the last stage's copy
     for the head). Killed and resumed it repeats the straight run; its checkpoint loads into one process."""
-    tied = {"model": {"tie_embeddings": True}, "parallel": {"pp": 2}, "train": {"micro_batch": 2}}
+    tied = {"model": {"tie_embeddings": True}, "parallel": {"pp": 2} | parallel, "train": {"micro_batch": 2}}
     straight = write(tmp_path, "straight", merge(CKPT, tied))
-    assert mantra_run(straight, 2).returncode == 0
+    assert mantra_run(straight, nproc).returncode == 0
     expected = last_per_step(tmp_path / "straight")
 
     path = write(tmp_path, "killed", merge(CKPT, tied))
-    proc = start(path, 2)
+    proc = start(path, nproc)
     wait_for_step(tmp_path / "killed", 12, proc)
     kill_group(proc)
-    again = mantra_run(path, 2)
+    again = mantra_run(path, nproc)
     assert again.returncode == 0, again.stderr[-3000:]
     got = last_per_step(tmp_path / "killed")
     assert sorted(got) == list(range(1, 41))
