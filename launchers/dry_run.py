@@ -42,7 +42,7 @@ def spans(indices: list[int]) -> str:
 
 def rank_rows(run: Resolved) -> list[RankRow]:
     """One row per rank, with parameter counts taken from the model built on the meta device and the
-    stage split the pipeline really uses (uniform or parallel.stage_layers; loop or V placement)."""
+    stage split the pipeline really uses (uniform, listed or balanced; loop or V placement)."""
     import torch
 
     from trainer.models import get_model_spec
@@ -111,4 +111,9 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
     for row in rank_rows(run):
         table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in DIM_NAMES), spans(row.layers), f"{row.params:,}")
     console.print(table)
+    if m.parallel.pp > 1:
+        from trainer.parallel.pipeline.balance import stage_counts
+
+        how = {None: "uniform", "balanced": "balanced"}.get(m.parallel.stage_layers, "listed")  # type: ignore[arg-type]
+        console.print(f"pipeline split ({how}): layers per virtual stage {list(stage_counts(run))}")
     console.print("command: " + shlex.join(command_for(run)), soft_wrap=True)

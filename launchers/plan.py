@@ -35,7 +35,9 @@ def _gib(x: float) -> str:
 
 def _layout_line(e: Estimate) -> str:
     lay = e.layout
-    pp = f"pp {lay['pp']} ({lay['schedule']}, {lay['virtual_stages']} chunk{'s' if lay['virtual_stages'] > 1 else ''})" if lay["pp"] > 1 else "pp 1"
+    split = "" if lay.get("stage_split") in (None, "uniform") else f", {lay['stage_split']} {lay['stage_layers']}"
+    pp = (f"pp {lay['pp']} ({lay['schedule']}, {lay['virtual_stages']} chunk{'s' if lay['virtual_stages'] > 1 else ''}"
+          f"{split})" if lay["pp"] > 1 else "pp 1")
     sp = " + sp" if lay["sequence_parallel"] else ""
     return (f"dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}{sp} x {pp}; "
             f"{lay['optimizer_sharding']}; recompute {lay['recompute']}; global batch {lay['global_batch']} = "
@@ -67,6 +69,8 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True) -> No
         f"{t.optimizer_s:.3f} s = [bold]{t.step_s:.3f} s[/bold]", soft_wrap=True)
     console.print(f"predicted {t.tokens_per_s / e.world:,.0f} tokens/s per device ({t.tokens_per_s:,.0f} in all), "
                   f"MFU {t.mfu:.1%} of {e.device.peak_tflops:g} TFLOP/s", soft_wrap=True)
+    for line in split_lines(e):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     if ascii_timeline and t.sim is not None and e.layout["pp"] > 1:
         from trainer.parallel.pipeline import render_ascii
 
@@ -74,6 +78,30 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True) -> No
         console.print(render_ascii(t.sim, max_width=max(60, min(console.width - 45, 160))), markup=False, highlight=False)
     for note in e.notes:
         console.print(f"note: {note}", soft_wrap=True, style="dim")
+
+
+def _ms(xs) -> str:
+    return " ".join(f"{1e3 * x:,.1f}" for x in xs)
+
+
+def split_lines(e: Estimate) -> list[str]:
+    """The pipeline's stage split, the compute of each rank (and chunk), its imbalance, and the balanced hint."""
+    s, t = e.split, e.timing
+    if s is None:
+        return []
+    v = e.layout["virtual_stages"]
+    chunks = f"; per virtual stage {_ms(s.stage_s)}" if v > 1 else ""
+    out = [f"pipeline split ({s.how}): layers per virtual stage {list(s.stage_layers)}; compute of one microbatch "
+           f"(F+B+W, ms) per pp rank {_ms(s.rank_s)}{chunks}; slowest rank / mean {s.imbalance:.3f}"]
+    b = s.balanced
+    if b is not None:
+        fit = "fits" if b.fits else "does not fit"
+        out.append(f"hint: the uniform split's slowest rank computes {s.imbalance - 1:.0%} more than the mean (the last "
+                   f"stage also runs the head and the loss); parallel.stage_layers: balanced would split {list(b.stage_layers)} (slowest / mean "
+                   f"{b.imbalance:.3f}): step {b.step_s:.3f} s instead of {t.step_s:.3f} s, pipeline idle "
+                   f"{b.bubble_rate:.1%} instead of {t.sim.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
+                   "--set parallel.stage_layers=balanced")
+    return out
 
 
 def write_picture(e: Estimate, path: str) -> Path:

@@ -73,6 +73,8 @@ TIED_FOUR = {
                                  "bucket_mb": SMALL_BUCKETS} | TIED,
     "pp2-dp2-zero2-zb-v-tied": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero2",
                                 "bucket_mb": SMALL_BUCKETS} | TIED,
+    "pp2-dp2-zero1-zb-v-tied": {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero1",
+                                "bucket_mb": SMALL_BUCKETS} | TIED,  # one bucket fed by both chunks of rank 0
     "pp2-dp2-none-1f1b-tied": {"pp": 2, "schedule": "1f1b", "optimizer_sharding": "none", "dp_replicate": 2,
                                "dp_shard": 1} | TIED,
 }
@@ -197,6 +199,51 @@ def test_zero3_gathers_and_reduces_once_per_step(name, four_ranks):
         assert probe["all_gathers"] == STEPS * probe["units"], probe
         assert len(probe["launches"]) == STEPS * probe["units"], probe
         assert all(kind in ("W", "BW") and final for kind, final in probe["launches"]), probe
+
+
+# -- stage_layers: balanced ----------------------------------------------------------------------------
+# A vocabulary big enough that the head (2·h·V per pass + the loss) weighs about three of these blocks, so the
+# balanced split (trainer/parallel/pipeline/balance.py) moves layers off the head's stage.
+
+BIG_HEAD = merge(BASE, {"model": {"vocab": 1024}})
+BALANCED = {
+    "pp2-balanced-1f1b": ({"pp": 2, "schedule": "1f1b", "stage_layers": "balanced"}, (6, 2)),
+    "pp2-balanced-zb-v": ({"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "stage_layers": "balanced"}, (1, 3, 3, 1)),
+}
+
+
+@pytest.fixture(scope="module")
+def big_head(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("balanced")
+    runs = {"single": train_on_ranks(tmp, "single", 1, BIG_HEAD, steps=STEPS)}
+    for name, (parallel, _) in BALANCED.items():
+        runs[name] = train_on_ranks(tmp, name, 2, merge(BIG_HEAD, {"parallel": parallel}), steps=STEPS)
+    return tmp, runs
+
+
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_split_matches_one_process(name, big_head):
+    """The split differs from the uniform one (what the runtime, dry-run and plan all read), and training on
+    it matches one process."""
+    import torch
+
+    from trainer.manifest import load_manifest
+    from trainer.models import get_model_spec
+    from trainer.parallel.pipeline.balance import stage_counts
+    from trainer.parallel.pipeline.split import layout_for, split_model
+
+    tmp, runs = big_head
+    run, _ = load_manifest(tmp / f"{name}.yaml")
+    expected = BALANCED[name][1]
+    assert stage_counts(run) == expected and len(set(expected)) > 1  # not the uniform split
+    layout, split = layout_for(run)
+    assert [len(s) for s in split] == list(expected)
+    for rank in range(2):  # what each rank keeps of the model, as the llama's parallelize cuts it
+        with torch.device("meta"):
+            model = get_model_spec("llama").build(run.manifest.model)
+        split_model(model, run, rank)
+        assert sorted(int(i) for i in model.layers) == sorted(i for s in layout.stages_of(rank) for i in split[s])
+    assert_same_training(runs["single"], runs[name])
 
 
 # -- the launched side ----------------------------------------------------------------------------

@@ -64,8 +64,85 @@ def _setup(run) -> memory.Setup:
     return memory.Setup(params=tuple(llama_params(CFG)), layers=CFG.layers, first=True, last=True, tp=p.tp,
                         sp=p.sequence_parallel, dp=run.dp, dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value,
                         recompute="none", bf16=False, micro_batch=run.batch.micro_batch, loaded=1,
-                        moments=_moments(run)[0], holds_logits=True, chunks=1, bucket_bytes=int(p.bucket_mb * 2**20),
+                        moments=_moments(run)[0], holds_logits=False, chunks=1, bucket_bytes=int(p.bucket_mb * 2**20),
                         adamw=True, fused=False, cfg=CFG)
+
+
+CFG8 = CFG.model_copy(update={"layers": 8})
+
+
+def _stage_setup(sharding: str, pp: int, bf16: bool = False) -> memory.Setup:
+    """Pipeline rank 0 of an 8-layer model cut in two (embedding + blocks 0-3), dp_shard 2, two microbatches in
+    flight: one backward before any gradient exists, one after."""
+    params = tuple(q for q in llama_params(CFG8) if (q.layer is not None and q.layer < 4) or q.part == "embed")
+    moments = (memory.Moment(2.0, head=0, at_loss=False), memory.Moment(2.0, warm=True, head=0, at_loss=False))
+    return memory.Setup(params=params, layers=4, first=True, last=False, tp=1, sp=False, dp=2, dp_shard=2,
+                        sharding=sharding, recompute="none", bf16=bf16, micro_batch=2, loaded=2, moments=moments,
+                        holds_logits=False, chunks=1, bucket_bytes=25 * 2**20, adamw=True, fused=False, cfg=CFG8, pp=pp)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_zero3_with_a_pipeline_holds_whole_stages_during_the_step(bf16):
+    """zero3 under pp (trainer/parallel/fsdp.py): gathered at a stage's first forward and kept whole, gradients
+    accumulated whole, reduce-scattered after the last backward; Adam's states stay sharded throughout."""
+    from trainer.plan.shapes import fsdp_numel
+
+    s = _stage_setup("zero3", 2, bf16)
+    shard = sum(fsdp_numel(q, 1, 2)[0] for q in s.params)
+    gathered = sum(fsdp_numel(q, 1, 2)[1] for q in s.params)  # padded as FSDP gathers
+    elems = sum(q.numel for q in s.params)
+    block = sum(q.numel for q in s.params if q.layer == 0)
+    pts = memory.points(s)
+    backward = [pt for pt in pts if pt.name == "first block backward"]
+    assert len(backward) == 2
+    for pt in backward:
+        assert pt.params == 4 * shard + (2 if bf16 else 4) * gathered  # fp32 shards + the whole stage in param dtype
+        assert pt.optimizer == 8 * shard + 4 * len(s.params)  # Adam's moments (and step counters) sharded
+    first, warm = backward
+    assert first.grads == 4 * block  # the first backward's first block: its own gradients only
+    assert warm.grads == 4 * elems + 4 * block  # every earlier gradient of the stage, whole, + this block's new ones
+    step = next(pt for pt in pts if pt.name == "optimizer step")
+    assert step.params == 4 * shard and step.grads == 4 * shard  # after the reduce-scatter: shards only
+    rs = next(pt for pt in pts if pt.name == "gradient reduce-scatter")
+    assert rs.params == first.params and rs.grads == 4 * elems + 4 * shard
+    # without a pipeline FSDP gathers one block at a time (into buffers), and the parameters row is the shards
+    alone = memory.points(_stage_setup("zero3", 1, bf16))
+    assert all(pt.params == 4 * shard for pt in alone)
+    assert memory.peak(s).total > memory.peak(_stage_setup("zero3", 1, bf16)).total
+    assert not any(pt.name == "gradient reduce-scatter" for pt in alone)
+
+
+def test_zero3_with_a_pipeline_in_the_time_model():
+    """One gather per step and one reduce-scatter after the last backward (not two gathers per microbatch)."""
+    from dataclasses import replace
+
+    from trainer.plan.devices import get_device
+    from trainer.plan.flops import Shape, predict
+
+    cfg = load_manifest(ROOT / "manifests/llama3-8b.yaml")[0].manifest.model
+    x = Shape(cfg, 16, 1, 4, 1, 1, 4, "zero3", "1f1b", 16, 1, "full", True, 4, (8, 8, 8, 8), (1_750_000_000,) * 4,
+              1e9, 0.1, 1e11, 16 * 8192, stage_layers=(8, 8, 8, 8), stage_rank=(0, 1, 2, 3))
+    h100 = get_device("h100")
+    with_pp = predict(x, h100).dp_s
+    gather = (4 - 1) / 4 * 1_750_000_000 * 2 / (h100.intra_gbps * 1e9)
+    reduce = (4 - 1) / 4 * 1_750_000_000 * 4 / (h100.intra_gbps * 1e9)
+    assert with_pp == pytest.approx(gather / 8 + reduce)
+    assert predict(replace(x, microbatches=64), h100).dp_s == pytest.approx(with_pp)  # not per microbatch
+
+
+def test_the_pipeline_simulation_uses_each_stage_s_own_cost(tmp_path):
+    """The last stage also runs the head and the loss: its F, B and W are longer by their FLOPs."""
+    from trainer.plan.flops import block_pass_flops, head_pass_flops
+
+    run, _ = load_manifest(write(tmp_path, {"pp": 2}, 2))
+    plan = estimate(run, "cpu")
+    blk, head = block_pass_flops(CFG), head_pass_flops(CFG)
+    s0, s1 = plan.split.stage_s
+    assert s1 / s0 == pytest.approx((blk.total + head.total) / blk.total)  # one block on each stage
+    f = [sp.end - sp.start for sp in plan.timing.sim.spans[1] if sp.action.kind.value == "F"]
+    f0 = [sp.end - sp.start for sp in plan.timing.sim.spans[0] if sp.action.kind.value == "F"]
+    assert f[0] / f0[0] == pytest.approx((blk.f + head.f) / blk.f)
+    assert plan.split.imbalance == pytest.approx(s1 / ((s0 + s1) / 2))
 
 
 def test_sharding_orders_peak_memory(tmp_path):
@@ -191,6 +268,21 @@ def found():
     return search(ROOT / "manifests/llama3-8b.yaml", gpus=16, gpu_mem=80, device="h100")
 
 
+def test_search_tries_balanced_splits():
+    """A pp that does not divide the layers can only be balanced; search offers it, and what it prints validates."""
+    from trainer.plan.search import layouts
+
+    base, _ = load_manifest(ROOT / "manifests/llama3-8b.yaml", ["model.layers=30"])
+    from trainer.plan.devices import get_device
+
+    tried = [o for o in layouts(base, 16, get_device("h100"))]
+    pp4 = [o for o in tried if "parallel.pp=4" in o]
+    assert pp4 and all("parallel.stage_layers=balanced" in o for o in pp4)  # 30 % 4: balanced only
+    pp2 = [o for o in tried if "parallel.pp=2" in o and "parallel.virtual_stages=1" in o]
+    assert {o[o.index("parallel.pp=2") + 3] for o in pp2} == {"parallel.stage_layers=null", "parallel.stage_layers=balanced"}
+    assert all("parallel.stage_layers=null" in o for o in tried if "parallel.pp=1" in o)
+
+
 def test_search_suggestions_validate_and_fit(found):
     assert 1 <= len(found.best) <= 5 and found.fitting >= len(found.best)
     times = [c.estimate.timing.step_s for c in found.best]
@@ -252,6 +344,11 @@ def test_plan_never_imports_torch():
     code = ("import sys; from launchers.cli import main; "
             "main(['plan', 'manifests/llama3-8b.yaml', '--set', 'parallel.pp=4', '--set', 'parallel.optimizer_sharding=zero1', "
             "'--set', 'train.global_batch=64', '--set', 'train.activation_checkpointing=full', '--set', 'parallel.schedule=zb-h1']); "
+            "main(['plan', 'manifests/llama3-8b.yaml', '--set', 'parallel.pp=4', '--set', 'parallel.optimizer_sharding=zero1', "
+            "'--set', 'train.global_batch=64', '--set', 'parallel.stage_layers=balanced', '--set', 'parallel.schedule=zb-v', "
+            "'--set', 'parallel.virtual_stages=2', '--set', 'train.activation_checkpointing=full']); "
+            "main(['validate', 'manifests/llama3-8b.yaml', '--set', 'parallel.pp=4', '--set', 'parallel.optimizer_sharding=zero1', "
+            "'--set', 'train.global_batch=64', '--set', 'parallel.stage_layers=balanced']); "
             "main(['plan', 'manifests/llama3-8b.yaml', '--search', '--gpus', '16', '--json']); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
 """`mantra plan` against the truth: predicted peak memory per rank vs the measured peak of live tensors.
 
 For the layouts the parity tests run (dp2, zero1/2/3 on 2 and 4 ranks, tp2, tp2+sp, dp2 x tp2,
-HSDP 2 x 2), two pipeline schedules, and one rank under bf16 autocast and selective / full
+HSDP 2 x 2, pp2 x dp2 zero3), two pipeline schedules, and one rank under bf16 autocast and selective / full
 recompute: train a small Llama (AdamW, fp32 on CPU, 3 steps) on real ranks under
 trainer.memtrack.LiveTensorTracker (tests/plan_rank.py), take each rank's peak after the first
 optimizer step, and require `estimate(run, "cpu")` within ±10% of the largest rank's.
@@ -43,6 +43,7 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {  # name: (ranks, parallel, train)
     "zero3x4": (4, {"optimizer_sharding": "zero3"}, {}),
     "dp2-tp2-zero3": (4, {"optimizer_sharding": "zero3", "tp": 2}, {}),
     "hsdp-2x2": (4, {"optimizer_sharding": "zero3", "dp_replicate": 2}, {}),
+    "pp2-dp2-zero3": (4, {"pp": 2, "optimizer_sharding": "zero3"}, {}),  # stages whole for the step (fsdp.py)
     "one-bf16": (1, {}, {"precision": "bf16"}),
     "one-bf16-selective": (1, {}, {"precision": "bf16", "activation_checkpointing": "selective"}),
     "one-full": (1, {}, {"activation_checkpointing": "full"}),

@@ -76,6 +76,7 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
                 logits = model(inputs)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                del logits  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
                 (loss / grad_accum).backward()
         loss = loss.detach()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp: a replicated DTensor

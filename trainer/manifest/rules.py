@@ -101,7 +101,14 @@ def sequence_parallel_needs_tp(m: Manifest) -> Iterator[Finding]:
 def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     chunks = p.pp * p.virtual_stages
-    if p.stage_layers is not None:
+    if p.stage_layers == "balanced":  # any count splits, given a layer per stage (parallel/pipeline/balance.py)
+        if m.model.layers < chunks:
+            yield Finding(
+                "parallel.stage_layers",
+                f"balanced needs a layer on each of pp·virtual_stages = {p.pp}·{p.virtual_stages} = {chunks} stages "
+                f"but model.layers is {m.model.layers}; use fewer stages or more layers",
+            )
+    elif p.stage_layers is not None:
         if len(p.stage_layers) != chunks:
             yield Finding(
                 "parallel.stage_layers",
@@ -117,7 +124,7 @@ def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
         yield Finding(
             "model.layers",
             f"{m.model.layers} layers do not split evenly over pp·virtual_stages = {p.pp}·{p.virtual_stages}; "
-            f"use a multiple of {chunks} layers, or list the layers of each stage in parallel.stage_layers",
+            f"use a multiple of {chunks} layers, set parallel.stage_layers: balanced, or list each stage's layers there",
         )
 
 

@@ -140,10 +140,12 @@ class ParallelSection(Section):
     pp: PositiveInt = Field(1, description="pipeline-parallel degree")
     schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")
     virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
-    stage_layers: tuple[NonNegativeInt, ...] | None = Field(
+    stage_layers: tuple[NonNegativeInt, ...] | Literal["balanced"] | None = Field(
         None,
-        description="layers of each virtual stage in model order (pp * virtual_stages entries summing to "
-        "model.layers), e.g. fewer on the first and last stage for the embedding and the head; default: uniform",
+        description="layers of each virtual stage in model order: null (default) uniform, "
+        "model.layers / (pp * virtual_stages); a list of pp * virtual_stages counts summing to model.layers; "
+        "or balanced: counts chosen from the plan's FLOP model so the slowest stage is as fast as it can be, "
+        "the head (output matmul + loss) counted on the last stage (`mantra plan` shows the split and its cost)",
     )
     microbatches: PositiveInt | None = Field(
         None,
@@ -160,6 +162,21 @@ class ParallelSection(Section):
         if value == 0:
             raise ValueError("must be a positive degree or -1 to infer it")
         return value
+
+    @field_validator("stage_layers", mode="wrap")
+    @classmethod
+    def _stage_layers(cls, value: object, handler):
+        """One message per mistake (a union would report each of its branches)."""
+        if value is None or value == "balanced":
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"'{value}' is not allowed; use balanced, a list of layer counts such as [3, 5], or null")
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"expected balanced or a list of layer counts, got {value!r}; write e.g. [3, 5]")
+        for i, n in enumerate(value):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"entry {i} is {n!r}; layer counts are whole numbers >= 0")
+        return handler(tuple(value))
 
 
 class TrainSection(Section):

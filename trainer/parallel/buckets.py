@@ -222,7 +222,10 @@ class GradReducer:
         if self._fresh_step:
             self.peak_bytes, self._fresh_step = self.live_bytes, False
         self._active, self._last = True, last
-        self._scope, self._order = self.scopes[scope]
+        self._scope, self._buckets = self.scopes[scope]
+        # the buckets this context reduces, in launch order: zero2 every one; none/zero1 those it completes
+        # for the step (a bucket another scope also feeds waits for the later of their last contexts)
+        self._order = [b for b in self._buckets if self.mode == "zero2" or self._final(b)]
         self._fired = [False] * len(self.params)
         self._pending = [len(b.params) for b in self.buckets]
         self._ready = [False] * len(self.buckets)
@@ -244,7 +247,7 @@ class GradReducer:
         if self.mode == "zero2":  # nothing of a microbatch's full-size storage outlives it
             self._drain(0)
         if self._last:
-            for b in self._order:
+            for b in self._buckets:
                 self._lasts[b] += 1
 
     def _on_grad(self, i: int, param: torch.nn.Parameter) -> None:
@@ -271,7 +274,7 @@ class GradReducer:
             self._storage(b)[off:off + n].add_(grad.reshape(-1))
             param.grad = None  # gradient-accumulation fusion: the buffer is the only copy
             self._pending[b] -= 1
-            if self._pending[b] == 0 and (self._final(b) or self.mode == "zero2"):
+            if self._pending[b] == 0:
                 self._ready[b] = True
                 while self._next < len(self._order) and self._ready[self._order[self._next]]:
                     self._launch(self._order[self._next])

@@ -158,13 +158,15 @@ def working_set(cfg: ModelSection, micro_batch: int, recompute: str, p: Precisio
 def logits_bytes(cfg: ModelSection, micro_batch: int, tp: int, holds_logits: bool = True) -> dict[str, float]:
     """Bytes of the logits region on the rank holding the head, for one microbatch (V/t per rank under tp).
 
-    The loop (pp = 1) keeps the fp32 logits through the backward; the pipeline runtime keeps only what the
-    loss saved. With x = 4·b·s·V/t (one fp32 tensor of logits):
+    The loop (trainer/loop.py `train_step`, `del logits` once the loss is taken) and the pipeline runtime
+    keep only what the loss saved; `holds_logits` is a step that keeps the fp32 logits through its
+    backward as well (the loop did until the logits were deleted; measured: 4·b·s·V/t more at the peak).
+    With x = 4·b·s·V/t (one fp32 tensor of logits):
 
-    other     per other microbatch in flight: log_softmax output (+ logits in the loop)    x (2x)
+    other     per other microbatch in flight: log_softmax output (+ held logits)          x (2x)
     loss      during the loss backward: + the nll gradient and the log_softmax gradient     3x (4x);
               vocab-parallel cross-entropy (loss_parallel, tp > 1) holds one more
-    head_bwd  while the output matmul runs backward: the logits' gradient (+ logits)        x (2x)
+    head_bwd  while the output matmul runs backward: the logits' gradient (+ held logits)   x (2x)
     after     what is left for the rest of the backward                                     0 (x)
     grad      split backward: the logits' gradient, kept from B until the head's W           x
     """

@@ -12,7 +12,8 @@ Torch-free and fast (a few milliseconds without pp, the simulator's time with it
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import functools
+from dataclasses import asdict, dataclass, field, replace
 
 from trainer.manifest import Resolved
 from trainer.manifest.schema import OptimizerName, Precision, Schedule
@@ -20,9 +21,39 @@ from trainer.plan import activations as act
 from trainer.plan import memory
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, predict
-from trainer.plan.shapes import llama_params, local_numel, plan_buckets, rank_layers
+from trainer.plan.shapes import llama_params, local_numel, plan_buckets, rank_layers, stage_ranks
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
+IMBALANCE_HINT = 1.05  # slowest pipeline rank / mean above which plan shows what stage_layers: balanced gives
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """The same run with `parallel.stage_layers: balanced`: its split, step and peak (the hint)."""
+
+    stage_layers: tuple[int, ...]
+    step_s: float
+    bubble_s: float
+    bubble_rate: float
+    imbalance: float
+    peak: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Split:
+    """The pipeline's layers per virtual stage and the compute each takes (pp > 1)."""
+
+    how: str  # uniform | listed | balanced (what parallel.stage_layers says)
+    stage_layers: tuple[int, ...]  # blocks per virtual stage, model order
+    stage_rank: tuple[int, ...]  # the pipeline rank of each virtual stage
+    stage_s: tuple[float, ...]  # F + B + W of one microbatch per virtual stage, seconds
+    rank_s: tuple[float, ...]  # the same per pipeline rank
+    imbalance: float  # slowest rank / mean
+    balanced: Alternative | None = None  # only for a uniform split off by more than IMBALANCE_HINT
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,7 @@ class Estimate:
     timing: Timing
     coefficients: dict[str, str]  # activation bytes of one block per microbatch, per recompute mode
     notes: tuple[str, ...] = field(default=())
+    split: Split | None = None  # the pipeline's stage split and its balance (pp > 1)
 
     @property
     def peak(self) -> float:
@@ -82,6 +114,7 @@ class Estimate:
                      "assumed_efficiency": t.efficiency,
                      "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
             "activation_coefficients": self.coefficients, "notes": list(self.notes),
+            "pipeline": None if self.split is None else self.split.to_json(),
         }
 
 
@@ -124,17 +157,19 @@ def _inflight(moments: tuple[memory.Moment, ...]) -> float:
     return max((m.held for m in moments), default=0.0)
 
 
-def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: float | None = None,
-             efficiency: float | None = None) -> Estimate:
-    """The plan for `run` on `device` (see the module docstring)."""
-    device = get_device(device) if isinstance(device, str) else device
+@functools.lru_cache(maxsize=8)  # `--search` asks for the peak first, then for the whole estimate of what fits
+def _memory(run: Resolved, device: Device) -> tuple[tuple[RankRow, ...], tuple[memory.Setup, ...], list[list[int]], tuple[int, ...]]:
+    """Per pipeline rank, its memory row and its Setup; the blocks per rank and per virtual stage."""
+    from trainer.parallel.pipeline.balance import stage_counts
+
     m = run.manifest
     cfg, p, train = m.model, m.parallel, m.train
     if cfg.kind != "llama":
         raise ValueError(f"mantra plan knows the llama model only, not model.kind '{cfg.kind}'")
     bf16 = is_bf16(run, device)
     v_style = p.schedule == Schedule.zb_v
-    layers = rank_layers(cfg.layers, p.pp, p.virtual_stages, p.stage_layers, v_style)
+    counts = stage_counts(run) if p.pp > 1 else (cfg.layers,)  # the split the runtime uses (balance.py)
+    layers = rank_layers(cfg.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
     moments = _moments(run)
     params = llama_params(cfg)
@@ -148,13 +183,35 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
             params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,
             dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
             bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
-            moments=moments[r], holds_logits=p.pp == 1, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
-            adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg)
+            moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
+            adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg, pp=p.pp,
+            grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4)
         setups.append(s)
         pt = memory.peak(s)
         rows.append(RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                             pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total))
-    timing = predict(_shape(run, setups, layers, bf16), device, efficiency)
+    return tuple(rows), tuple(setups), layers, counts
+
+
+def peak_bytes(run: Resolved, device: Device | str = "h100") -> float:
+    """The largest rank's predicted peak, without the time model (what `--search` rejects layouts by first)."""
+    device = get_device(device) if isinstance(device, str) else device
+    return max(r.peak for r in _memory(run, device)[0])
+
+
+def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: float | None = None,
+             efficiency: float | None = None, compare: bool = True) -> Estimate:
+    """The plan for `run` on `device` (see the module docstring). With `compare`, a uniform pipeline split
+    off by more than IMBALANCE_HINT also gets the plan of `stage_layers: balanced` (`split.balanced`)."""
+    device = get_device(device) if isinstance(device, str) else device
+    m = run.manifest
+    cfg, p, train = m.model, m.parallel, m.train
+    rows, setups, layers, counts = _memory(run, device)
+    bf16 = is_bf16(run, device)
+    v_style = p.schedule == Schedule.zb_v
+    sp = p.sequence_parallel and p.tp > 1
+    ranks = tuple(stage_ranks(p.pp, p.virtual_stages, v_style)) if p.pp > 1 else (0,)
+    timing = predict(_shape(run, setups, layers, bf16, counts, ranks), device, efficiency)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
     coeffs = {mode: act.coefficients(cfg, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "tp": p.tp, "sequence_parallel": sp,
@@ -162,11 +219,33 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
               "global_batch": run.batch.global_batch, "micro_batch": run.batch.micro_batch,
               "microbatches": run.batch.microbatches}
+    how = "uniform" if p.stage_layers is None else ("balanced" if p.stage_layers == "balanced" else "listed")
+    layout |= {"stage_layers": list(counts) if p.pp > 1 else None, "stage_split": how if p.pp > 1 else None}
+    split = None
+    if p.pp > 1:
+        split = Split(how, tuple(counts), ranks, timing.stage_s, timing.rank_s, timing.imbalance)
+        if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
+            split = replace(split, balanced=_balanced(run, device, capacity_gib, efficiency, timing.step_s))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
-                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing)))
+                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing)), split)
 
 
-def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], bf16: bool) -> Shape:
+def _balanced(run: Resolved, device: Device, capacity_gib: float | None, efficiency: float | None,
+              step_s: float) -> Alternative | None:
+    """The plan of the same run with `parallel.stage_layers: balanced`, or None unless its step is shorter than
+    `step_s` (balanced weighs FLOPs only; this plan also counts selective recompute's memory traffic and tensor
+    parallel's collectives per block, so a near-even split can come out no faster)."""
+    m = run.manifest
+    other = replace(run, manifest=m.model_copy(update={"parallel": m.parallel.model_copy(update={"stage_layers": "balanced"})}))
+    e = estimate(other, device, capacity_gib=capacity_gib, efficiency=efficiency, compare=False)
+    if e.split is None or e.timing.step_s >= step_s:
+        return None
+    t = e.timing
+    return Alternative(e.split.stage_layers, t.step_s, t.bubble_s, t.sim.bubble_rate, t.imbalance, e.peak, e.fits)
+
+
+def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], bf16: bool,
+           counts: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
     m, p = run.manifest, run.manifest.parallel
     stage_params = tuple(sum(local_numel(q, p.tp) for q in s.params) for s in setups)
     owned = max(memory.states(s)["owned"] for s in setups)
@@ -179,12 +258,11 @@ def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], b
     from trainer.models.llama.config import flops_per_token
 
     sp = p.sequence_parallel and p.tp > 1
-    remat = tuple(len(x) * act.working_set(m.model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)
-                  for x in layers)
+    remat = act.working_set(m.model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)
     return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
-                 share, flops_per_token(m.model), run.tokens_per_step, remat)
+                 share, flops_per_token(m.model), run.tokens_per_step, remat, tuple(counts), ranks)
 
 
 def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:

@@ -7,17 +7,20 @@ PaLM / torchtitan convention):
     model FLOPs per step = flops_per_token · global_batch · seq_len
 
 Recompute costs hardware FLOPs the MFU does not count: full recompute runs each
-block's forward twice (+ 2·N_blocks + 4·L·h·s per token); selective recomputes
+block's forward twice (+ 2·N_blocks + 4·L·h·s per token; three times with a zero-bubble
+schedule, whose B and W each recompute); selective recomputes
 only element-wise ops (norms, RoPE, SiLU, products), which cost memory traffic,
 not FLOPs: the bytes they rebuild, written and read once, at HBM bandwidth.
 
 Predicted step time on one rank:
 
     compute  = its share of the hardware FLOPs / (peak · EFFICIENCY)
-               (with pp: the pipeline simulator's makespan over per-stage F, B, W costs: compute + bubble)
+               (with pp: the pipeline simulator's makespan over per-virtual-stage F, B, W costs, each
+               stage its own blocks, the last one also the head and the loss: compute + bubble)
     + exposed communication: tensor-parallel collectives (4 per block per microbatch, none hidden),
       the data-parallel tail (bucket reductions overlap the backward; what exceeds it, zero1/2's
-      parameter all-gather after the step and zero3's gathers beyond the compute are exposed),
+      parameter all-gather after the step and zero3's gathers beyond the compute are exposed; zero3 under
+      pp gathers once per step and reduce-scatters after each stage's final backward, exposed),
       pipeline p2p inside the simulator
     + the optimizer step, memory-bound: 28 bytes read and written per owned parameter / HBM bandwidth
 
@@ -67,6 +70,43 @@ def head_forward_flops(cfg, tokens: float) -> float:
     return tokens * 2 * cfg.vocab * cfg.dim
 
 
+# The loss's element-wise work per logit, counted as FLOPs: log_softmax's forward (row max, subtract, exp,
+# row sum, subtract the log of the sum: 5) and the backward of it and the NLL (exp of the saved output, scale,
+# subtract the one-hot, the gradient's row sum, the product: 5). On a GPU this is memory-bound and costs more
+# than its FLOPs say (fp32 logits read and written a few times); FLOPs keep the pipeline split device-free.
+LOSS_FLOPS_PER_LOGIT = (5, 5)
+
+
+@dataclass(frozen=True)
+class PassFlops:
+    """FLOPs per token of one pass kind: forward (F), input gradient (B), weight gradient (W)."""
+
+    f: float
+    b: float
+    w: float
+
+    @property
+    def total(self) -> float:
+        return self.f + self.b + self.w
+
+
+def block_pass_flops(cfg, recompute: str = "none", split_backward: bool = False) -> PassFlops:
+    """One block, per token: 2 FLOPs per parameter + 4·h·s attention forward, the same for B and for W
+    (forward 1/3, backward 2/3); full recompute runs the forward again inside B, and inside W as well
+    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py)."""
+    fwd = block_forward_flops(cfg, 1) / cfg.layers
+    again = 2 if recompute == "full" else 1
+    return PassFlops(fwd, fwd * again, fwd * (again if split_backward else 1))
+
+
+def head_pass_flops(cfg) -> PassFlops:
+    """The last stage's extra work, per token: the output head's matmul (2·h·V per pass) and the loss
+    (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out."""
+    mm = head_forward_flops(cfg, 1)
+    fwd, bwd = LOSS_FLOPS_PER_LOGIT
+    return PassFlops(mm + fwd * cfg.vocab, mm + bwd * cfg.vocab, mm)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the time model needs to know about the run (filled in by estimate.py)."""
@@ -91,7 +131,9 @@ class Shape:
     bucket_share: float  # the last bucket's share of a rank's gradients (what cannot overlap)
     flops_per_token: float
     global_tokens: int
-    rematerialized: tuple[float, ...] = ()  # selective recompute: activation bytes rebuilt per microbatch, per pp rank
+    rematerialized: float = 0.0  # selective recompute: activation bytes one block rebuilds per microbatch
+    stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
+    stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
 
 
 @dataclass(frozen=True)
@@ -108,6 +150,13 @@ class Timing:
     mfu: float
     efficiency: float
     sim: object | None = None  # the pipeline SimResult (times in milliseconds), for the timeline
+    stage_s: tuple[float, ...] = ()  # compute of one microbatch (F + B + W) per virtual stage
+    rank_s: tuple[float, ...] = ()  # the same per pipeline rank, its stages together
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest pipeline rank's compute / the mean (1.0: even; 1.0 without a pipeline)."""
+        return max(self.rank_s) / (sum(self.rank_s) / len(self.rank_s)) if self.rank_s and sum(self.rank_s) else 1.0
 
 
 def _bandwidth(device, span: int) -> float:
@@ -124,18 +173,33 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
     rate = device.peak_tflops * 1e12 * eff
     mb_tokens = x.micro_batch * cfg.seq_len
-    blocks_fwd = block_forward_flops(cfg, mb_tokens) / cfg.layers  # one block, one microbatch
-    f = [(n * blocks_fwd + (head_forward_flops(cfg, mb_tokens) if r == x.pp - 1 else 0.0)) / x.tp / rate
-         for r, n in enumerate(x.rank_layers)]
-    b = [fi * (2 if x.recompute == "full" else 1) for fi in f]
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+
+    counts = x.stage_layers or (cfg.layers,)
+    owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
+    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
+    blk, head = block_pass_flops(cfg, x.recompute, split), head_pass_flops(cfg)
+    last = len(counts) - 1
+
+    def per_stage(kind: str) -> list[float]:  # seconds of one microbatch through each virtual stage
+        return [(n * getattr(blk, kind) + (getattr(head, kind) if s == last else 0.0)) * mb_tokens / x.tp / rate
+                for s, n in enumerate(counts)]
+
+    f, b, w = per_stage("f"), per_stage("b"), per_stage("w")
     if x.recompute == "selective":  # element-wise ops rebuilt: memory-bound, written once and read once
-        b = [bi + 2 * by / (device.hbm_gbps * 1e9) for bi, by in zip(b, x.rematerialized)]
+        b = [bi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for bi, n in zip(b, counts)]
+        if split:
+            w = [wi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for wi, n in zip(w, counts)]
+    rank_f = [sum(t for t, r in zip(f, owner) if r == q) for q in range(x.pp)]
+    rank_b = [sum(t for t, r in zip(b, owner) if r == q) for q in range(x.pp)]
+    stage_s = tuple(sum(t) for t in zip(f, b, w))
+    rank_s = tuple(sum(t for t, r in zip(stage_s, owner) if r == q) for q in range(x.pp))
     e = 2 if x.bf16 else 4
     act_bytes = mb_tokens * cfg.dim * e / x.tp
     p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
-    ms = [[1e3 * t for t in ts] for ts in (f, b)]  # the simulation runs in milliseconds (the timeline's unit)
-    sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[0], comm=1e3 * p2p))
+    ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
+    sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p))
     compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
     bubble = sim.makespan / 1e3 - compute
     # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
@@ -146,7 +210,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     shard_bw = _bandwidth(device, x.tp * x.dp_shard)
     rep_bw = _bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
     dp = x.dp_replicate * x.dp_shard
-    bwd_last = f[-1] + b[-1]  # the backward of the last microbatch, which the reductions overlap
+    bwd_last = rank_f[owner[-1]] + rank_b[owner[-1]]  # the loss rank's last microbatch, which the reductions overlap
     if x.sharding == "none":
         reduce = ring_time(grads, dp, rep_bw, "all_reduce")
         exposed = max(reduce - bwd_last, 0.0) + reduce * x.bucket_share
@@ -154,6 +218,15 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
         reduce = ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
         gather = ring_time(max(x.stage_params) * 4, x.dp_shard, shard_bw, "all_gather")
         exposed = max(reduce - bwd_last, 0.0) + reduce * x.bucket_share + gather
+    elif x.sharding == "zero3" and x.pp > 1:
+        # trainer/parallel/fsdp.py under pp: a stage gathers once, at its first forward (one block's gather
+        # exposed, the rest prefetched), and reduce-scatters once right after its final W/BW: with one chunk
+        # per rank that is the rank's last pass, so all of it is exposed (with several chunks the earlier
+        # chunks' reductions overlap the rest; counted exposed all the same: an upper bound)
+        unit = 2 if x.bf16 else 4
+        gather = ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
+        reduce = ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
+        exposed = gather / max(max(x.rank_layers), 1) + reduce
     elif x.sharding == "zero3":
         unit = 2 if x.bf16 else 4
         gathers = 2 * x.microbatches * ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
@@ -166,6 +239,6 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     step = compute + bubble + tp_s + exposed + optimizer
     model = x.flops_per_token * x.global_tokens
-    hardware = model + (block_forward_flops(cfg, x.global_tokens) if x.recompute == "full" else 0.0)
+    hardware = model + (block_forward_flops(cfg, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim)
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s)

@@ -21,11 +21,21 @@ the microbatches that skip the reduce-scatter; one rank alone (dp = 1) keeps pla
 `.grad`s. SGD (no momentum) has no state. The foreach AdamW of a CPU needs one
 temporary the size of the decayed parameters (√v); the fused CUDA kernel none.
 
+zero3 with a pipeline (pp > 1, trainer/parallel/fsdp.py, as torch.distributed.pipelining and
+torchtitan do it) gathers each stage's parameters at its first forward of the step and keeps them
+whole, lets gradients accumulate whole, and reduce-scatters them after the stage's last backward:
+during the step a rank holds its stages' whole parameters (param dtype: bf16 under bf16, else fp32,
+padded as FSDP gathers them) and whole gradients (fp32, bf16 only with bf16 params and a bf16
+reduce) next to its fp32 shards and sharded Adam states; at the optimizer step only the shards.
+(With several chunks per rank an earlier chunk is reduced and resharded while the other still runs;
+plan keeps every chunk whole until the end of the step: an upper bound.)
+
 The peak is the largest of a few points of the step (`Point`): the loss backward
 (all activations + the logits region), the head's backward (+ the first gradients,
 zero2's first bucket, zero3's gathered root and prefetched block), the first block's
 backward (+ its gradients, zero3's gathered block, recompute's working set), the
-optimizer step (+ its temporaries) and zero1/2's parameter all-gather.
+optimizer step (+ its temporaries), zero1/2's parameter all-gather and, for zero3 with pp,
+the reduce-scatter at the end of the step.
 """
 
 from __future__ import annotations
@@ -89,17 +99,24 @@ class Setup:
     micro_batch: int
     loaded: int  # microbatches whose token tensors are loaded at once (the whole step's)
     moments: tuple[Moment, ...]  # the states in which a backward starts (from the schedule)
-    holds_logits: bool  # the loop keeps a microbatch's logits through its backward (pp = 1)
+    holds_logits: bool  # the fp32 logits stay alive through the backward (neither the loop nor the pipeline now)
     chunks: int  # virtual stages per rank
     bucket_bytes: int
     adamw: bool
     fused: bool
     cfg: object = field(repr=False, default=None)  # the ModelSection
+    pp: int = 1  # pipeline degree (zero3 keeps a stage whole for the step when pp > 1)
+    grad_bytes: int = 4  # zero3 with pp: bytes of a whole gradient element (2 with bf16 params and reduce)
 
     @property
     def mode(self) -> str:
         """The gradient path that runs: 'local' (one dp rank: plain .grad) or the sharding."""
         return "local" if self.dp == 1 else self.sharding
+
+    @property
+    def whole_step(self) -> bool:
+        """zero3 under a pipeline: parameters and gradients whole from the first forward to the last backward."""
+        return self.mode == "zero3" and self.pp > 1
 
     @property
     def precision(self) -> act.Precision:
@@ -137,6 +154,8 @@ def states(s: Setup) -> dict[str, float]:
         shard = sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params)
         out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params if p.is_matrix),
                 "grad_persistent": 0.0, "grad_step": 4 * shard, "tensors": len(s.params)}
+        unit = 2 if s.bf16 else 4  # FSDP's param dtype
+        out["whole_params"] = unit * sum(fsdp_numel(p, s.tp, s.dp_shard)[1] for p in s.params) if s.whole_step else 0.0
     elif s.mode in ("none", "zero1", "zero2"):
         shards = 1 if s.mode == "none" else s.dp_shard
         plan = plan_buckets([local_numel(p, s.tp) for p in reversed(s.params)], max(s.bucket_bytes // 4, 1), shards)
@@ -148,7 +167,7 @@ def states(s: Setup) -> dict[str, float]:
     else:  # local
         out |= {"params": 4 * total, "owned": total, "owned_decayed": decayed, "grad_persistent": 0.0,
                 "grad_step": 4 * total, "tensors": len(s.params)}
-    if s.chunks > 1 and s.mode != "local":  # the pipeline keeps a full .grad per parameter during a multi-chunk step
+    if s.chunks > 1 and s.mode != "local" and not s.whole_step:  # the pipeline keeps a full .grad per parameter during a multi-chunk step
         out["grad_step"] += 4 * total
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
@@ -170,7 +189,8 @@ def _sizes(s: Setup) -> dict[str, float]:
     unit = 2 if p.bf16 else 4  # zero3 gathers bf16 parameters under bf16
     blocks = [q for q in s.params if q.layer is not None]
     per_block = [q for q in blocks if q.layer == blocks[0].layer] if blocks else []
-    zero3 = s.mode == "zero3"
+    zero3 = s.mode == "zero3" and not s.whole_step  # gathered block by block (under pp: whole, in "params")
+    g = s.grad_bytes if s.whole_step else 4
     # autocast's bf16 weight copies, saved by the matmuls: the head's, and the blocks' unless a checkpoint
     # drops them (recompute casts again in the backward); one set per microbatch in flight
     matrices = sum(local_numel(q, s.tp) for q in s.params if q.is_matrix and q.part != "embed"
@@ -181,11 +201,11 @@ def _sizes(s: Setup) -> dict[str, float]:
         "head_per": act.on_rank(act.head_terms(cfg, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
         "ws": act.working_set(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
         "casts": 2 * matrices if p.casts else 0.0,
-        "full_grads": 4 * _elems(s, lambda q: True),
+        "full_grads": g * _elems(s, lambda q: True),
         "u_blk": unit * sum(local_numel(q, s.tp) for q in per_block) if zero3 else 0.0,
         "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard)[1] for q in per_block) if zero3 else 0.0,
         "u_root": unit * sum(local_numel(q, s.tp) for q in s.params if q.layer is None) if zero3 else 0.0,
-        "g_blk": 4 * sum(local_numel(q, s.tp) for q in per_block),
+        "g_blk": g * sum(local_numel(q, s.tp) for q in per_block),
     }
 
 
@@ -207,8 +227,8 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
         g_before += z["full_grads"] + _tp_embedding_grad(s)
     elif m.warm and s.chunks > 1:
         g_before += z["full_grads"]
-    base = dict(params=st["params"], optimizer=st["optimizer"])
-    head_w = 4 * cfg.vocab * cfg.dim / s.tp if s.last and not cfg.tie_embeddings else 0.0
+    base = dict(params=st["params"] + st.get("whole_params", 0.0), optimizer=st["optimizer"])
+    head_w = (s.grad_bytes if s.whole_step else 4) * cfg.vocab * cfg.dim / s.tp if s.last and not cfg.tie_embeddings else 0.0
     # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
     u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
     out = []
@@ -241,6 +261,10 @@ def points(s: Setup) -> list[Point]:
     other = st["rope"] + st["tokens"]
     out.append(Point("optimizer step", grads=st["grad_step"], activations=0.0, logits=0.0,
                      buffers=other + st["opt_temp"], **base))
+    if s.whole_step:  # after the last backward: whole parameters and gradients, and the shards they reduce into
+        out.append(Point("gradient reduce-scatter", params=st["params"] + st["whole_params"], optimizer=st["optimizer"],
+                         grads=st["full_grads"] + _tp_embedding_grad(s) + st["grad_step"], activations=0.0, logits=0.0,
+                         buffers=other))
     if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
         n = min(st["buckets"], MAX_IN_FLIGHT + 1)
         out.append(Point("parameter all-gather", grads=st["grad_persistent"], activations=0.0, logits=0.0,

@@ -5,8 +5,10 @@
         print(c.set_line, c.estimate.timing.step_s)
 
 Enumerates dp_replicate x dp_shard x tp (with sequence parallel) x pp x schedule x
-micro_batch x recompute x optimizer_sharding for the given number of GPUs, keeping
-the manifest's global batch. Each candidate goes through the manifest's own
+micro_batch x recompute x optimizer_sharding x stage split (uniform where the layers
+divide, and `stage_layers: balanced` with a pipeline, so a pp that does not divide
+the layers is tried too) for the given number of GPUs, keeping the manifest's global
+batch; a balanced split that comes out uniform counts once. Each candidate goes through the manifest's own
 validation (schema, cross-field rules, resolve) exactly as `--set` overrides on
 the file would, so a suggestion that is printed is one `mantra validate` accepts;
 the winners are validated once more through `load_manifest` itself. Candidates
@@ -16,6 +18,7 @@ are ranked by predicted step time among those whose predicted peak fits.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +31,9 @@ from trainer.manifest.rules import check
 from trainer.manifest.schema import LauncherKind
 from trainer.manifest.source import SourceTree, apply_override, load_source
 from trainer.manifest.validate import validate_schema
-from trainer.plan.devices import Device, get_device
-from trainer.plan.estimate import Estimate, estimate
+from trainer.parallel.pipeline.balance import stage_counts
+from trainer.plan.devices import Device, get_device, usable_bytes
+from trainer.plan.estimate import Estimate, estimate, peak_bytes
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
 RECOMPUTE = ("none", "selective", "full")
@@ -88,7 +92,7 @@ def _plausible(cfg, tp: int, pp: int, v: int, microbatches: int, schedule: str) 
     """Arithmetic every layout must pass (a cheap filter before the real validation, which decides)."""
     if cfg.heads % tp or cfg.n_kv_heads % tp or cfg.vocab % tp or cfg.ffn_dim % tp or cfg.seq_len % tp:
         return False
-    if cfg.layers % (pp * v):
+    if cfg.layers < pp * v:
         return False
     if pp > 1 and (microbatches < pp or (schedule == "interleaved-1f1b" and microbatches % pp)):
         return False
@@ -121,6 +125,12 @@ def _world(base: Resolved, gpus: int, device: Device) -> list[str] | None:
     return [f"launcher.nproc={gpus}"]
 
 
+def _splits(layers: int, pp: int, v: int) -> list[str]:
+    """The stage splits to try: uniform where the layers divide, and balanced (balance.py) with a pipeline."""
+    out = ["null"] if layers % (pp * v) == 0 else []
+    return out + (["balanced"] if pp > 1 else [])
+
+
 def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
     """Every layout to try, as --set overrides (the world first, then the parallel degrees and the batch)."""
     m = base.manifest
@@ -129,13 +139,13 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
     if world is None:
         return
     for tp in [t for t in _divisors(gpus) if t <= min(MAX_TP, device.gpus_per_node)]:
-        for pp in [p for p in _divisors(gpus // tp) if cfg.layers % p == 0]:
+        for pp in [p for p in _divisors(gpus // tp) if cfg.layers >= p]:
             dp = gpus // (tp * pp)
             if g % dp:
                 continue
             schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
             for sharding in ("none", "zero1", "zero2", "zero3"):
-                if sharding == "zero3" and pp > 1:
+                if sharding == "zero3" and pp > 1:  # runs (fsdp.py) at about zero1's peak with more traffic: not searched
                     continue
                 shards = {1} if sharding == "none" or dp == 1 else {dp, min(dp, max(device.gpus_per_node // tp, 1))}
                 for shard in sorted(s for s in shards if dp % s == 0):
@@ -143,12 +153,12 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
                         for mb in [d for d in _divisors(g // dp) if d <= 64]:
                             if not _plausible(cfg, tp, pp, v, g // (mb * dp), name):
                                 continue
-                            for rc in RECOMPUTE:
+                            for rc, split in itertools.product(RECOMPUTE, _splits(cfg.layers, pp, v)):
                                 yield world + [
                                     f"parallel.dp_replicate={dp // shard}", f"parallel.dp_shard={shard}",
                                     f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                                     f"parallel.pp={pp}", f"parallel.schedule={name}", f"parallel.virtual_stages={v}",
-                                    "parallel.stage_layers=null", f"parallel.optimizer_sharding={sharding}",
+                                    f"parallel.stage_layers={split}", f"parallel.optimizer_sharding={sharding}",
                                     f"train.global_batch={g}", f"train.micro_batch={mb}",
                                     f"parallel.microbatches={g // (mb * dp)}", f"train.activation_checkpointing={rc}",
                                 ]
@@ -164,6 +174,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
         apply_override(tree, o)
     tree = SourceTree(tree.data, tree.source)  # locations are not needed to accept or reject
     tried = valid = 0
+    capacity = usable_bytes(device, gpu_mem)
     fitting: list[Candidate] = []
     seen: set[tuple] = set()
     for extra in layouts(base, gpus, device):
@@ -172,13 +183,16 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
         if run is None:
             continue
         p = run.manifest.parallel
+        counts = stage_counts(run) if p.pp > 1 else ()  # a balanced split equal to the uniform one is a repeat
         key = (run.dp_replicate, run.dp_shard, p.tp, p.pp, p.schedule, p.virtual_stages, p.optimizer_sharding,
-               run.batch.micro_batch, run.manifest.train.activation_checkpointing)
+               run.batch.micro_batch, run.manifest.train.activation_checkpointing, counts)
         if key in seen:
             continue
         seen.add(key)
         valid += 1
-        plan = estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency)
+        if peak_bytes(run, device) > capacity:  # memory first: most layouts stop here, before the time model
+            continue
+        plan = estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency, compare=False)
         if plan.fits:
             fitting.append(Candidate(tuple(extra), plan))
     fitting.sort(key=lambda c: (c.estimate.timing.step_s, c.estimate.peak))

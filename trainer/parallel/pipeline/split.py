@@ -27,14 +27,21 @@ from trainer.models.llama.model import TiedHead
 from trainer.parallel.pipeline.stages import StageLayout
 
 
-def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | None = None) -> list[list[int]]:
+def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | None = None, *,
+                 layout: StageLayout | None = None, costs: ChunkCosts | None = None) -> list[list[int]]:
     """Layer indices of each virtual stage, in model order: [[0, 1], [2, 3], ...].
 
-    Uniform unless `explicit` gives the count of each stage (it must sum to `layers`).
+    Uniform unless `explicit` gives the count of each stage (it must sum to `layers`), or is
+    "balanced": then balance.py chooses the counts for `layout` from `costs` (balance.costs_for).
     """
-    counts = list(explicit) if explicit else [layers // num_stages] * num_stages
-    if explicit is None and layers % num_stages:
-        raise ValueError(f"{layers} layers do not split evenly over {num_stages} stages; give stage_layers")
+    from trainer.parallel.pipeline.balance import BALANCED, balance, uniform
+
+    if explicit == BALANCED:
+        if layout is None or costs is None or layout.num_stages != num_stages:
+            raise ValueError(f"a balanced split of {num_stages} stages needs their layout and costs (balance.costs_for)")
+        counts = list(balance(layers, layout, costs))
+    else:
+        counts = list(explicit) if explicit is not None else list(uniform(layers, num_stages))
     if len(counts) != num_stages or sum(counts) != layers or min(counts) < 0:
         raise ValueError(f"stage_layers {counts} must have {num_stages} non-negative entries summing to {layers}")
     out, start = [], 0
@@ -106,12 +113,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def layout_for(run) -> tuple[StageLayout, list[list[int]]]:
-    """The stage placement of the manifest's schedule and the layers of each virtual stage."""
-    from trainer.parallel.pipeline.schedules import SCHEDULES
+    """The stage placement of the manifest's schedule and the layers of each virtual stage: uniform,
+    `parallel.stage_layers` as listed, or balanced (balance.stage_counts, which dry-run and plan read too)."""
+    from trainer.parallel.pipeline.balance import layout_of, stage_counts
 
-    p, model = run.manifest.parallel, run.manifest.model
-    layout = StageLayout(p.pp, p.virtual_stages, SCHEDULES.get(p.schedule.value).style)
-    return layout, stage_layers(model.layers, layout.num_stages, p.stage_layers)
+    layout = layout_of(run.manifest.parallel)
+    return layout, stage_layers(run.manifest.model.layers, layout.num_stages, stage_counts(run))
 
 
 def split_model(model: nn.Module, run, pp_rank: int) -> None:
