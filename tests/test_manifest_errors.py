@@ -180,3 +180,13 @@ def test_zero3_with_pp_validates_with_a_warning(tmp_path, capsys, monkeypatch):
     line = next(x for x in err.splitlines() if ": warning: " in x)
     assert line.startswith(f"{path}:19:23: warning: parallel.optimizer_sharding: zero3 with pp > 1 keeps"), line
     assert "zero1 or zero2" in line and ": error: " not in err
+
+
+def test_recompute_with_split_backward_warns(tmp_path, capsys, monkeypatch):
+    """Recompute under a zero-bubble schedule runs, but validation says what it measured to cost."""
+    monkeypatch.chdir(tmp_path.parent)
+    path = tmp_path / "zbsel.yaml"
+    path.write_text(with_lines(l13="  steps: 5\n  activation_checkpointing: selective") + "parallel:\n  pp: 2\n  schedule: zb-h1\n")
+    assert main(["validate", str(path), "--set", "launcher.nproc=2", "--set", "train.micro_batch=2"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if ": warning: " in x)
+    assert line.startswith(f"{path}:14:29: warning: train.activation_checkpointing: selective recompute with zb-h1"), line

@@ -44,6 +44,9 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {  # name: (ranks, parallel, train)
     "dp2-tp2-zero3": (4, {"optimizer_sharding": "zero3", "tp": 2}, {}),
     "hsdp-2x2": (4, {"optimizer_sharding": "zero3", "dp_replicate": 2}, {}),
     "pp2-dp2-zero3": (4, {"pp": 2, "optimizer_sharding": "zero3"}, {}),  # stages whole for the step (fsdp.py)
+    "pp2-dp2-zero2-zb-v": (4, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "optimizer_sharding": "zero2",
+                               "model": {"layers": 4}}, {}),  # two chunks per rank, each W reduced on its own
+    "pp2-tied": (2, {"pp": 2, "schedule": "1f1b", "model": {"tie_embeddings": True}}, {}),  # the head's embedding copy
     "one-bf16": (1, {}, {"precision": "bf16"}),
     "one-bf16-selective": (1, {}, {"precision": "bf16", "activation_checkpointing": "selective"}),
     "one-full": (1, {}, {"activation_checkpointing": "full"}),
@@ -60,7 +63,8 @@ def _ports(n: int) -> list[str]:
 
 
 def _manifest(tmp: Path, name: str, ranks: int, parallel: dict, train: dict) -> Path:
-    data = {"name": name, "model": MODEL, "parallel": parallel,
+    parallel = dict(parallel)
+    data = {"name": name, "model": MODEL | parallel.pop("model", {}), "parallel": parallel,
             "train": {"global_batch": 8, "micro_batch": 2, "steps": 3, "seed": 3} | train,
             "data": {"source": "synthetic"}, "logging": {"every": 1, "dir": str(tmp / "runs" / name), "sinks": ["jsonl"]},
             "launcher": {"nproc": ranks}}

@@ -177,7 +177,8 @@ def _memory(run: Resolved, device: Device) -> tuple[tuple[RankRow, ...], tuple[m
     rows, setups = [], []
     for r in range(p.pp):
         held = set(layers[r])
-        mine = tuple(q for q in params if (q.layer in held) or (q.part == "embed" and r == 0)
+        tied_copy = cfg.tie_embeddings and r == last_rank  # the tied head's copy of the embedding (tied.py)
+        mine = tuple(q for q in params if (q.layer in held) or (q.part == "embed" and (r == 0 or tied_copy))
                      or (q.part == "head" and r == last_rank))
         s = memory.Setup(
             params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,

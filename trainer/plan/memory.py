@@ -167,8 +167,6 @@ def states(s: Setup) -> dict[str, float]:
     else:  # local
         out |= {"params": 4 * total, "owned": total, "owned_decayed": decayed, "grad_persistent": 0.0,
                 "grad_step": 4 * total, "tensors": len(s.params)}
-    if s.chunks > 1 and s.mode != "local" and not s.whole_step:  # the pipeline keeps a full .grad per parameter during a multi-chunk step
-        out["grad_step"] += 4 * total
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
     return out
@@ -223,10 +221,8 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     autocast = z["casts"] * max(1.0, m.held + m.pending_w)
     other = st["rope"] + st["tokens"]
     g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
-    if m.warm and s.mode in ("local", "zero3"):
+    if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)
-    elif m.warm and s.chunks > 1:
-        g_before += z["full_grads"]
     base = dict(params=st["params"] + st.get("whole_params", 0.0), optimizer=st["optimizer"])
     head_w = (s.grad_bytes if s.whole_step else 4) * cfg.vocab * cfg.dim / s.tp if s.last and not cfg.tie_embeddings else 0.0
     # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
