@@ -79,14 +79,20 @@ def kill_group(proc: subprocess.Popen) -> None:
                                              (4, {"pp": 2, "optimizer_sharding": "zero3"})],
                          ids=["dp2-zero2", "tp2", "zero3x2", "pp2-dp2-zero3"])
 def test_killed_run_resumes_exactly(tmp_path, nproc, parallel):
-    straight = write(tmp_path, "straight", merge(CKPT, {"parallel": parallel}))
+    kill_and_resume(tmp_path, nproc, merge(CKPT, {"parallel": parallel}))
+
+
+def kill_and_resume(tmp_path: Path, nproc: int, settings: dict) -> dict[int, float]:
+    """Train `settings` straight, then again killed (SIGKILL, no chance to save) after step 12 and
+    resumed: every step's loss must repeat the straight run's. Returns the straight run's losses."""
+    straight = write(tmp_path, "straight", settings)
     assert mantra_run(straight, nproc).returncode == 0
     expected = last_per_step(tmp_path / "straight")
 
-    path = write(tmp_path, "killed", merge(CKPT, {"parallel": parallel}))
+    path = write(tmp_path, "killed", settings)
     proc = start(path, nproc)
     wait_for_step(tmp_path / "killed", 12, proc)
-    kill_group(proc)  # SIGKILL the launcher and every rank: no chance to save
+    kill_group(proc)
     assert (tmp_path / "killed/ckpt/latest").read_text().strip() in ("step-00000010", "step-00000020")
     again = mantra_run(path, nproc)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -94,6 +100,7 @@ def test_killed_run_resumes_exactly(tmp_path, nproc, parallel):
     assert sorted(got) == list(range(1, 41))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-6), step
+    return expected
 
 
 def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
@@ -203,20 +210,7 @@ def test_tied_pipeline_checkpoint_resumes_and_reshards(tmp_path, nproc, parallel
     """Tied embeddings under pp2: both pipeline ranks hold `tok_embeddings.weight` (the last stage's copy
     for the head). Killed and resumed it repeats the straight run; its checkpoint loads into one process."""
     tied = {"model": {"tie_embeddings": True}, "parallel": {"pp": 2} | parallel, "train": {"micro_batch": 2}}
-    straight = write(tmp_path, "straight", merge(CKPT, tied))
-    assert mantra_run(straight, nproc).returncode == 0
-    expected = last_per_step(tmp_path / "straight")
-
-    path = write(tmp_path, "killed", merge(CKPT, tied))
-    proc = start(path, nproc)
-    wait_for_step(tmp_path / "killed", 12, proc)
-    kill_group(proc)
-    again = mantra_run(path, nproc)
-    assert again.returncode == 0, again.stderr[-3000:]
-    got = last_per_step(tmp_path / "killed")
-    assert sorted(got) == list(range(1, 41))
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=1e-6), step
+    expected = kill_and_resume(tmp_path, nproc, merge(CKPT, tied))
 
     one = write(tmp_path, "one", merge(CKPT, {"model": {"tie_embeddings": True}, "checkpoint": {
         "resume_from": str(tmp_path / "straight/ckpt/step-00000030")}}))  # keep: 2
