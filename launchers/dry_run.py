@@ -46,32 +46,25 @@ def rank_rows(run: Resolved) -> list[RankRow]:
     import torch
 
     from trainer.models import get_model_spec
-    from trainer.parallel.pipeline.split import layout_for
+    from trainer.parallel.pipeline.split import keep_stages, layout_for
 
     m = run.manifest
     p = m.parallel
     layout = run.layout
     stages, split = layout_for(run)
-    with torch.device("meta"):
-        model = get_model_spec(m.model.kind).build(m.model)
-    named = {name: param.numel() for name, param in model.named_parameters()}
+    kept: dict[int, dict[str, int]] = {}  # pp rank -> {fqn: numel} of what it keeps (split.keep_stages, as the runtime)
+    for pp_rank in range(p.pp):
+        with torch.device("meta"):
+            model = get_model_spec(m.model.kind).build(m.model)
+        if p.pp > 1:
+            keep_stages(model, stages, pp_rank, split)
+        kept[pp_rank] = {name: param.numel() for name, param in model.named_parameters()}
     rows = []
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        held_stages = stages.stages_of(c["pp"])
-        held = sorted(i for s in held_stages for i in split[s])
-        first, last = 0 in held_stages, stages.num_stages - 1 in held_stages
+        held = sorted(i for s in stages.stages_of(c["pp"]) for i in split[s])
         total = 0
-        for name, count in named.items():
-            parts = name.split(".")
-            if parts[0] == "layers":
-                keep = int(parts[1]) in held
-            elif parts[0] in ("tok_embeddings", "embed", "embedding"):
-                keep = first
-            else:  # final norm and output head
-                keep = last
-            if not keep:
-                continue
+        for name, count in kept[c["pp"]].items():
             if p.tp > 1 and not name.endswith("norm.weight"):
                 count //= p.tp
             if p.optimizer_sharding == Sharding.zero3:

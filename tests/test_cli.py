@@ -112,3 +112,17 @@ def test_dry_run_shows_the_pipeline_split_the_runtime_uses(tmp_path):
     assert rows[0][7] == "0,3" and rows[1][7] == "1-2"
     total = 3_279_104  # the whole model, as in the dp table: the two stages hold it exactly once
     assert int(rows[0][8].replace(",", "")) + int(rows[1][8].replace(",", "")) == total
+
+
+def test_dry_run_counts_the_tied_heads_embedding_copy():
+    """Tied embeddings under 1f1b pp2: the last stage keeps a copy of the embedding for the head (tied.py),
+    as many parameters as an untied head, so the per-rank counts equal the untied model's."""
+    from launchers.dry_run import rank_rows
+    from trainer.manifest import load_manifest
+
+    counts = {}
+    for tied in (False, True):
+        run, _ = load_manifest(ROOT / "manifests/tiny-cpu.yaml", [
+            "parallel.pp=2", "launcher.nproc=2", "train.micro_batch=4", f"model.tie_embeddings={str(tied).lower()}"])
+        counts[tied] = [row.params for row in rank_rows(run)]
+    assert counts[True] == counts[False] and counts[True][1] > 256 * 256
