@@ -184,7 +184,7 @@ def sharding_degree(m: Manifest) -> Iterator[Finding]:
         yield Finding(
             "parallel.optimizer_sharding",
             "zero3 with pp > 1 keeps each stage's parameters and gradients whole for the step (gathered once, "
-            "reduce-scattered after the last backward; re-gathering per microbatch would cost an all-gather each), "
+            "reduce-scattered after the stage's final backward; re-gathering per microbatch would cost an all-gather each), "
             "so its peak memory is zero1's with one all-gather more per step; zero1 or zero2 is usually better",
             "warning",
         )
