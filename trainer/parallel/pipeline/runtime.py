@@ -33,7 +33,8 @@ and each stage reduce-scatters once, right after its final W/BW (fsdp.py).
 
 Global gradient norm: pipeline ranks hold disjoint parameters, so each rank's
 sum of squares (exact over tp/fsdp shards) is summed over the pp group
-(`PipelineLocalSync` here; BucketSync does the same itself).
+(`PipelineLocalSync` here; BucketSync does the same itself). The one shared
+weight, a tied embedding's copy on the last stage, is left out (tied.py).
 """
 
 from __future__ import annotations
