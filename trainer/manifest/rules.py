@@ -160,8 +160,10 @@ def schedule_microbatches(m: Manifest) -> Iterator[Finding]:
 
 @rule
 def recompute_with_split_backward(m: Manifest) -> Iterator[Finding]:
+    from trainer.parallel.pipeline.schedules import SCHEDULES  # torch-free
+
     p, mode = m.parallel, m.train.activation_checkpointing.value
-    if p.pp > 1 and p.schedule in (Schedule.zb_h1, Schedule.zb_h2, Schedule.zb_v) and mode != "none":
+    if p.pp > 1 and mode != "none" and SCHEDULES.get(p.schedule.value).split_backward:
         yield Finding(
             "train.activation_checkpointing",
             f"{mode} recompute with {p.schedule.value}: B and W each recompute a block, and a microbatch waiting "

@@ -162,12 +162,13 @@ class GradReducer:
         self.params = [p for _, p in params]
         self.locals = [local_tensor(p.detach()) for p in self.params]
         scopes = {None: range(len(self.params))} if scopes is None else scopes
-        member = [frozenset(k for k, v in scopes.items() if i in set(v)) for i in range(len(self.params))]
+        scope_sets, solo = {k: set(v) for k, v in scopes.items()}, set(solo)
+        member = [frozenset(k for k, v in scope_sets.items() if i in v) for i in range(len(self.params))]
         if not all(member):
             raise ValueError(f"parameter {self.names[member.index(frozenset())]} is in no reducer scope")
         sets: dict[tuple, list[int]] = {}  # parameters with the same scopes (and each solo one) bucket together
         for i, m in enumerate(member):
-            sets.setdefault((m, i if i in set(solo) else -1), []).append(i)
+            sets.setdefault((m, i if i in solo else -1), []).append(i)
         self.buckets = plan_grouped([t.numel() for t in self.locals], max(bucket_bytes // 4, 1), groups.shards,
                                     list(sets.values()))
         self.where = {i: (b, off, n) for b, bucket in enumerate(self.buckets)

@@ -101,6 +101,8 @@ class BucketSync:
         self.tie = model.__dict__.get("pipeline_tie")  # tied embeddings across pipeline stages, or None
         scopes, solo = _stage_scopes(named[::-1], model.__dict__.get("pipeline_stages"), self.tie)
         self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
+        tied = {id(q) for q in self.tie.params} if self.tie is not None else set()
+        self.tied = [i for i, q in enumerate(self.reducer.params) if id(q) in tied]  # reducer indices of this rank's tied copy
         self.slices = self._owned_slices()
         self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
         by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
@@ -143,17 +145,15 @@ class BucketSync:
     def finish_backward(self) -> None:
         self.reducer.finish()
         if self.tie is not None and self.tie.group is not None:  # sum the two holders' copies' gradients
-            index = {id(q): i for i, q in enumerate(self.reducer.params)}
-            self.tie.sum_([self.reducer.reduced(self.reducer.where[index[id(q)]][0]) for q in self.tie.params])
+            self.tie.sum_([self.reducer.reduced(self.reducer.where[i][0]) for i in self.tied])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The exact global norm: squares over owned elements, summed over the shard group; tp-sharded
         parameters' sums added over tp, tp-replicated ones counted once; stages added over pp."""
         sums = []
-        uncounted = set()  # the last stage's copy of a tied weight: the first stage's counts (tied.py)
-        if self.tie is not None and not self.tie.counted:
-            uncounted = {i for i, q in enumerate(self.reducer.params) if any(q is t for t in self.tie.params)}
+        # the last stage's copy of a tied weight: the first stage's counts (tied.py)
+        uncounted = set(self.tied) if self.tie is not None and not self.tie.counted else set()
         for sharded in (True, False):
             grads = [s.grad for i, s in self.slices.items() if s.tp_sharded == sharded and i not in uncounted]
             norms = torch._foreach_norm(grads) if grads else []

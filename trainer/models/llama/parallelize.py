@@ -53,14 +53,10 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
 
 def backward_passes(run: Resolved) -> int:
     """2 when the pipeline schedule runs each backward as separate B and W passes (zb-*), else 1."""
-    p = run.manifest.parallel
-    if p.pp == 1:
-        return 1
-    from trainer.parallel.pipeline.actions import Kind
-    from trainer.parallel.pipeline.schedules import compute_order
+    from trainer.parallel.pipeline.schedules import SCHEDULES
 
-    ranks = compute_order(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages)
-    return 2 if any(a.kind == Kind.W for actions in ranks for a in actions) else 1
+    p = run.manifest.parallel
+    return 2 if p.pp > 1 and SCHEDULES.get(p.schedule.value).split_backward else 1
 
 
 def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
