@@ -99,10 +99,22 @@ def assert_same_training(reference, candidate, rel: float = 1e-5) -> None:
     assert torch.isfinite(torch.stack([p.abs().max() for p in params.values()])).all()
 
 
-def run_worker(script: str, nproc: int, out: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Start `nproc` ranks of a test file that doubles as a torchrun worker (`python FILE OUT`)."""
+def run_worker(script: str, nproc: int, out: Path, timeout: int = 300) -> list[dict]:
+    """Start `nproc` ranks of a test file that doubles as a torchrun worker (`python FILE OUT`); each
+    rank ends with `worker_done`. Returns every rank's result, in rank order."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, str(out)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def worker_done(out: Path, result: dict) -> None:
+    """The end of a `run_worker` rank: write its result and leave the process group."""
+    import gc
+
+    import torch.distributed as dist
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    gc.collect()  # drop the mesh's process groups now, not during interpreter exit

@@ -11,18 +11,15 @@ Worker: `torchrun --nproc-per-node=2 tests/test_fsdp2_is_not_zero2.py OUT`.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_worker
+from conftest import run_worker, worker_done
 
 
 def worker(out: Path) -> None:
-    import gc
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -53,17 +50,13 @@ def worker(out: Path) -> None:
     loss.backward()
     result = {"full": full_bytes, "params_after_backward": local_bytes(model.parameters()),
               "grads_after_backward": local_bytes(p.grad for p in model.parameters()), "params_between": between}
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-    gc.collect()
+    worker_done(out, result)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_without_reshard_after_forward_still_shards_params_at_the_step_boundary(tmp_path):
-    run_worker(__file__, 2, tmp_path)
-    for rank in range(2):
-        m = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for m in run_worker(__file__, 2, tmp_path):
         assert m["params_after_backward"] == pytest.approx(m["full"] / 2, rel=0.05), m  # 1/d, not whole
         assert m["grads_after_backward"] == pytest.approx(m["full"] / 2, rel=0.05), m
 

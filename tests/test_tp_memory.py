@@ -6,7 +6,6 @@ with tp2 exactly as the trainer does (meta, parallelize, materialize) and writes
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -16,13 +15,11 @@ from conftest import run_worker
 
 
 def worker(out: Path) -> None:
-    import gc
-
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
-    from conftest import merge, tiny_config
+    from conftest import merge, tiny_config, worker_done
     from trainer.loop import build_model
     from trainer.manifest.resolve import resolve
     from trainer.manifest.schema import Manifest
@@ -42,18 +39,13 @@ def worker(out: Path) -> None:
             full_sharded += p.numel() * local.element_size()
         else:
             replicated += nbytes
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
-        {"sharded": sharded, "full_sharded": full_sharded, "replicated": replicated}))
-    dist.destroy_process_group()
-    gc.collect()
+    worker_done(out, {"sharded": sharded, "full_sharded": full_sharded, "replicated": replicated})
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_halves_the_sharded_weights(tmp_path):
-    run_worker(__file__, 2, tmp_path)
-    for rank in range(2):
-        m = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for m in run_worker(__file__, 2, tmp_path):
         assert m["sharded"] > 0 and m["sharded"] * 2 == m["full_sharded"], m
         assert m["replicated"] < m["sharded"]  # only the norms stay whole
 
