@@ -77,6 +77,16 @@ class DataSource(str, enum.Enum):
     text = "text"
 
 
+class OnNonFinite(str, enum.Enum):
+    stop = "stop"  # exit non-zero with status failed, naming the step and what was not finite
+    skip = "skip"  # drop the step's update (counted in the metrics); stop after train.max_skipped in a row
+
+
+class Verify(str, enum.Enum):
+    full = "full"  # every file's checksum is checked against the commit record before it is used
+    off = "off"
+
+
 class TokenDtype(str, enum.Enum):
     uint16 = "uint16"
     uint32 = "uint32"
@@ -187,6 +197,17 @@ class TrainSection(Section):
     activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
     compile: bool = Field(False, description="torch.compile each block")
     seed: NonNegativeInt = Field(0, description="seeds init and data order")
+    on_nonfinite: OnNonFinite = Field(
+        OnNonFinite.stop,
+        description="a step whose loss or global grad norm is NaN/inf: stop (exit non-zero, status failed) "
+        "or skip (drop that update; stop after max_skipped in a row)",
+    )
+    max_skipped: PositiveInt = Field(3, description="with on_nonfinite: skip, consecutive skipped steps that stop the run")
+    hang_timeout_s: PositiveFloat | None = Field(
+        None,
+        description="seconds a step or collective may take before the run is declared hung (stacks dumped to the "
+        "logs, status hung, non-zero exit); default 600 on GPU, 300 on CPU",
+    )
 
 
 class OptimizerSection(Section):
@@ -214,6 +235,9 @@ class CheckpointSection(Section):
     async_save: bool = Field(False, description="write checkpoints in the background; training waits only for staging")
     resume_from: str | None = Field(
         None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
+    )
+    verify: Verify = Field(
+        Verify.full, description="full: check every file's checksum recorded at commit before loading it; off: trust the files"
     )
 
 
