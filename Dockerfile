@@ -8,7 +8,7 @@
 # submit` then runs every task inside it (srun --container-image, the run and working directories
 # mounted at the same paths). pyxis runs the task's command, not this image's entrypoint.
 #
-# Pick the tag that matches your cluster's CUDA driver; its torch must satisfy pyproject's (>= 2.13).
+# Pick the tag that matches your cluster's CUDA driver; its torch must satisfy pyproject's (>= 2.11).
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -22,7 +22,7 @@ COPY pyproject.toml README.md ./
 COPY trainer/ trainer/
 COPY launchers/ launchers/
 COPY manifests/ manifests/
-# torch comes from the base image (pip keeps it: it satisfies pyproject's torch>=2.13).
+# torch comes from the base image (pip keeps it: it satisfies pyproject's torch>=2.11).
 RUN pip install ".[tensorboard,wandb,text]" && mantra --help >/dev/null
 
 WORKDIR /workspace

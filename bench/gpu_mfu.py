@@ -21,12 +21,14 @@ Step time is the median of the steps after the warm-up (compile) steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,14 +50,21 @@ def model_section(shape: str) -> dict:
     return {**COMMON, **SHAPES[shape]["model"]}
 
 
-def manifest(shape: str, steps: int, run_dir: Path, compile_: bool) -> dict:
-    batch = SHAPES[shape]["batch"]
+def spec(runner: str, shape: str, steps: int, warmup: int, compile_: bool, **extra) -> dict:
+    """What one child process trains (see `run_mantra`, `run_plain`); bench/gpu_suite.py builds its own."""
+    return {"runner": runner, "name": f"gpu-mfu-{shape}", "model": model_section(shape), "batch": SHAPES[shape]["batch"],
+            "steps": steps, "warmup": warmup, "compile": compile_, **extra}
+
+
+def manifest(s: dict, run_dir: Path) -> dict:
+    """The manifest of a `spec`: bf16 autocast on a GPU unless `precision` says otherwise, no recompute, jsonl every step."""
     return {
-        "name": f"gpu-mfu-{shape}", "model": model_section(shape),
-        "train": {"global_batch": batch, "micro_batch": batch, "steps": steps, "precision": "auto",
-                  "activation_checkpointing": "none", "compile": compile_, "seed": 0},
-        "optimizer": {"lr": 3.0e-4, "warmup": 0, "grad_clip": 1.0},
-        "data": {"source": "synthetic"},
+        "name": s["name"], "model": s["model"],
+        "train": {"global_batch": s["batch"], "micro_batch": s["batch"], "steps": s["steps"],
+                  "precision": s.get("precision", "auto"), "activation_checkpointing": "none", "compile": s["compile"],
+                  "seed": 0},
+        "optimizer": {"lr": s.get("lr", 3.0e-4), "warmup": 0, "grad_clip": 1.0},
+        "data": s.get("data", {"source": "synthetic"}),
         "logging": {"every": 1, "dir": str(run_dir), "sinks": ["jsonl"]},
         "launcher": {"nproc": 1},
     }
@@ -68,7 +77,9 @@ def device_key(torch) -> str:
     return next((k for k in ("h200", "h100", "b200", "a100") if k in name), "h100")
 
 
-def run_mantra(shape: str, steps: int, warmup: int, compile_: bool) -> dict:
+def run_mantra(s: dict) -> dict:
+    """Train `s` through `trainer.loop.train`: median step time after the warm-up, the memory peak, the losses,
+    `mantra plan`'s prediction, and the seconds from `s["t0"]` (the parent's clock at spawn) to the first step's row."""
     import torch
 
     from trainer.loop import train
@@ -77,22 +88,45 @@ def run_mantra(shape: str, steps: int, warmup: int, compile_: bool) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.yaml"
-        path.write_text(yaml.safe_dump(manifest(shape, steps, Path(tmp) / "run", compile_)))
+        path.write_text(yaml.safe_dump(manifest(s, Path(tmp) / "run")))
         run, _ = load_manifest(path)
-        with _live_tensors() as track:
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        with _first_row(metrics) as first, _live_tensors() as track:
             train(run)
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows[warmup:]]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows[s["warmup"]:]]
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else track.steady_peak().total
     plan = estimate(run, device_key(torch))
     return {"step_time_s": statistics.median(times), "peak_mem_bytes": int(peak), "plan_peak_bytes": int(plan.peak),
-            "plan_step_s": plan.timing.step_s, "tokens_per_step": run.tokens_per_step}
+            "plan_step_s": plan.timing.step_s, "tokens_per_step": run.tokens_per_step,
+            "losses": [r["loss"] for r in rows], "first_step_s": first["at"] - s.get("t0", first["at"])}
+
+
+@contextlib.contextmanager
+def _first_row(metrics: Path, poll_s: float = 0.005):
+    """Watch `metrics` from a thread: {"at": wall-clock time its first row appeared} once the block ends."""
+    seen: dict[str, float] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if metrics.exists() and metrics.stat().st_size and metrics.read_text().endswith("\n"):
+                seen["at"] = time.time()
+                return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+        seen.setdefault("at", time.time())
 
 
 def _live_tensors():
     """On the CPU, the peak of live tensors (trainer.memtrack) stands in for max_memory_allocated; a no-op on a GPU."""
-    import contextlib
-
     import torch
 
     if torch.cuda.is_available():
@@ -102,7 +136,7 @@ def _live_tensors():
     return LiveTensorTracker()
 
 
-def run_plain(shape: str, steps: int, warmup: int, compile_: bool) -> dict:
+def run_plain(s: dict) -> dict:
     """The loop one writes by hand: the same Llama module, bf16 autocast, fused AdamW, whole-model compile."""
     import torch
 
@@ -111,27 +145,29 @@ def run_plain(shape: str, steps: int, warmup: int, compile_: bool) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = ModelSection(**model_section(shape))
-    batch = SHAPES[shape]["batch"]
+    cfg = ModelSection(**s["model"])
+    batch = s["batch"]
     model = Transformer(cfg)
     init_weights(model, 0)
     model.to(device)
-    step_fn = torch.compile(model) if compile_ else model
+    step_fn = torch.compile(model) if s["compile"] else model
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=3e-4, betas=(0.9, 0.95), fused=cuda, foreach=None if cuda else True)
     gen = torch.Generator(device=device).manual_seed(0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    times = []
+    times: list[float] = []
     with _live_tensors() as track:
-        _plain_steps(step_fn, model, opt, cfg, batch, steps, device, gen, autocast, times)
+        first_end = _plain_steps(step_fn, model, opt, cfg, batch, s["steps"], device, gen, autocast, times)
     peak = torch.cuda.max_memory_allocated() if cuda else track.steady_peak().total
-    return {"step_time_s": statistics.median(times[warmup:]), "peak_mem_bytes": int(peak),
-            "tokens_per_step": batch * cfg.seq_len}
+    first_step_s = first_end - s.get("t0", first_end)
+    return {"step_time_s": statistics.median(times[s["warmup"]:]), "peak_mem_bytes": int(peak),
+            "tokens_per_step": batch * cfg.seq_len, "first_step_s": first_step_s}
 
 
-def _plain_steps(step_fn, model, opt, cfg, batch: int, steps: int, device, gen, autocast, times: list[float]) -> None:
+def _plain_steps(step_fn, model, opt, cfg, batch: int, steps: int, device, gen, autocast, times: list[float]) -> float:
+    """Train `steps` steps, each one's seconds appended to `times`; returns the wall-clock time the first one ended."""
     import torch
     import torch.nn.functional as F
 
@@ -150,19 +186,29 @@ def _plain_steps(step_fn, model, opt, cfg, batch: int, steps: int, device, gen, 
         opt.zero_grad(set_to_none=True)
         loss.item()
         times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            first_end = time.time()
+    return first_end
 
 
-def child(args: argparse.Namespace) -> None:
-    fn = run_plain if args.child == "plain" else run_mantra
-    print(json.dumps(fn(args.shape, args.steps, args.warmup, not args.eager)))
+def child(path: Path) -> None:
+    s = json.loads(path.read_text())
+    result = (run_plain if s["runner"] == "plain" else run_mantra)(s)
+    print(json.dumps(result))
 
 
-def spawn(runner: str, shape: str, steps: int, warmup: int, eager: bool) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", runner, "--shape", shape,
-           "--steps", str(steps), "--warmup", str(warmup)] + (["--eager"] if eager else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+def spawn(s: dict, timeout: float = 1800) -> dict:
+    """Run one `spec` in a fresh process (compile caches and the allocator start clean); its result dict.
+    A child that fails (an out-of-memory included) raises RuntimeError with the end of its stderr."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({**s, "t0": time.time()}, f)
+    try:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    finally:
+        Path(f.name).unlink()
     if proc.returncode:
-        raise RuntimeError(f"{runner} on shape {shape} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{s['runner']} {s['name']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -194,11 +240,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the median (compile)")
     parser.add_argument("--out", type=Path, help="also append the JSON lines here")
-    parser.add_argument("--child", choices=["mantra", "plain"], help=argparse.SUPPRESS)
-    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # a spec file: run it, print its result
     args = parser.parse_args()
     if args.child:
-        child(args)
+        child(args.child)
         return
     shapes = ["smoke"] if args.cpu_smoke else ([args.shape] if args.shape else ["a", "b"])
     steps, warmup = (4, 1) if args.cpu_smoke else (args.steps, args.warmup)
@@ -209,12 +254,12 @@ def main() -> None:
         sys.exit("no GPU here: run with --cpu-smoke, or on a GPU machine")
     lines = []
     for shape in shapes:
-        eager = args.cpu_smoke
-        plain = spawn("plain", shape, steps, warmup, eager)
-        mantra = spawn("mantra", shape, steps, warmup, eager)
+        compile_ = not args.cpu_smoke
+        plain = spawn(spec("plain", shape, steps, warmup, compile_))
+        mantra = spawn(spec("mantra", shape, steps, warmup, compile_))
         lines += [row(shape, "mantra", mantra, device, plain), row(shape, "plain", plain, device, None)]
         if shape == "b":  # plan models eager PyTorch: check it against an eager mantra run as well
-            lines.append(row(shape, "mantra-eager", spawn("mantra", shape, steps, warmup, True), device, plain))
+            lines.append(row(shape, "mantra-eager", spawn(spec("mantra", shape, steps, warmup, False)), device, plain))
     for line in lines:
         print(json.dumps(line), flush=True)
     if args.out:

@@ -22,6 +22,34 @@ logging: {{every: 1, dir: {run_dir}, sinks: [jsonl]}}
 """
 
 
+TORCH_MIN = ROOT / "tests" / "torch_min.txt"
+
+
+def torch_min_ids() -> set[str]:
+    """The node ids of tests/torch_min.txt: the subset .ci/run also runs on the oldest supported torch."""
+    lines = (line.split("#", 1)[0].strip() for line in TORCH_MIN.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark the listed tests `torch_min`. A listed id whose file was collected (or is gone) but that no
+    longer names a test (renamed, re-parametrized) fails the run instead of silently shrinking the subset."""
+    wanted = torch_min_ids()  # node ids, or a file's path for all of its tests
+    matched = set()
+    for item in items:
+        for key in (item.nodeid, item.nodeid.split("::", 1)[0]):
+            if key in wanted:
+                item.add_marker(pytest.mark.torch_min)
+                matched.add(key)
+    if any("::" in arg for arg in config.args):
+        return  # single tests asked for by id: the rest of their files was never collected
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    stale = sorted(i for i in wanted - matched if i.split("::", 1)[0] in files or not (ROOT / i.split("::", 1)[0]).exists())
+    if stale:
+        raise pytest.UsageError(f"tests/torch_min.txt lists tests that do not exist: {', '.join(stale)}")
+
+
 @pytest.fixture
 def tiny_manifest(tmp_path):
     """Write a tiny manifest (2-layer llama on the shipped corpus) and return its path."""

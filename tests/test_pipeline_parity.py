@@ -263,23 +263,33 @@ def _probe() -> tuple[dict, list]:
         running["executor"] = self
 
     ex.Executor.__init__ = record_init
-    reduce_scatter = dist.reduce_scatter_single
+    # mantra's reducer calls the public names; FSDP2 calls torch 2.13's `_single` aliases where they exist (the
+    # public names before). Each name this torch has is counted once: 2.13's public names call c10d's own alias.
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, _counted(getattr(dist, name), running, launches))
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, _gathered(getattr(dist, name), running))
+    return running, launches
 
+
+def _counted(reduce_scatter, running: dict, launches: list):
     def counted(*args, **kwargs):
         current = getattr(running.get("executor"), "current", None)
         final = current is not None and current in running["executor"].final_backward
         launches.append((current.kind.value if current else None, final))
         return reduce_scatter(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
-    all_gather = dist.all_gather_single
+    return counted
 
+
+def _gathered(all_gather, running: dict):
     def gathered(*args, **kwargs):
         running["all_gathers"] += 1
         return all_gather(*args, **kwargs)
 
-    dist.all_gather_single = gathered
-    return running, launches
+    return gathered
 
 
 def main(out: Path, manifests: list[Path]) -> None:

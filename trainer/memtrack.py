@@ -99,14 +99,15 @@ class LiveTensorTracker:
         self._prof = None
 
     def _read(self, roots: list[Any]) -> None:
-        from torch._C._profiler import _EventType
+        from trainer.compat import profiler_event_type
 
+        event_type = profiler_event_type()
         raw: list[Sample] = []
         windows: dict[str, list[tuple[int, int]]] = {}
         todo = [(node, ()) for node in reversed(roots)]
         while todo:
             node, stack = todo.pop()
-            if node.tag == _EventType.Allocation:
+            if node.tag == event_type.Allocation:
                 f = node.extra_fields
                 if str(f.device).startswith("cpu") and f.alloc_size:
                     raw.append(Sample(node.start_time_ns, f.alloc_size, f.ptr, "/".join(stack[-3:])))

@@ -301,7 +301,7 @@ class GradReducer:
             return
         send = src if self.comm_dtype == src.dtype else self._cast(src)
         out = self._alloc(self.buckets[b].shard_size, self.comm_dtype)
-        work = dist.reduce_scatter_single(out, send, group=g.shard, async_op=True)
+        work = dist.reduce_scatter_tensor(out, send, group=g.shard, async_op=True)
 
         def finalize() -> None:
             if send is not src:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from trainer import compat
+
 
 def _shard_key(g: DTensor) -> tuple:
     if any(isinstance(pl, Partial) for pl in g.placements):
@@ -34,7 +36,7 @@ def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     if plain:
-        total += torch.stack(torch._foreach_norm([g.float() for g in plain])).pow(2).sum()
+        total += torch.stack(compat.foreach_norm([g.float() for g in plain])).pow(2).sum()
     groups: dict[tuple, tuple] = {}
     for g in grads:
         if isinstance(g, DTensor):

@@ -8,6 +8,7 @@ The loop drives every optimizer step the same way:
     sync.finish_backward()                 # wait for the last reductions
     norm = sync.clip_grad_norm_(max_norm)  # the global norm, before clipping
     sync.step()                            # (sharded) optimizer step, params whole again, grads zeroed
+                                           # (or sync.skip_step(): grads zeroed, nothing updated)
 
 Implementations: `LocalSync` (one rank, or gradients already reduced by the
 model's own wrapper), `BucketSync` in zero.py (none / zero1 / zero2: our own
@@ -49,6 +50,10 @@ class GradSync(Protocol):
 
     def step(self) -> None: ...
 
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating anything (a non-finite step, trainer/nonfinite.py)."""
+        ...
+
     def state_dict(self, model: torch.nn.Module) -> dict:
         """{"model": {fqn: tensor}, "optim": {"state.<fqn>.<key>": tensor, "param_groups.<fqn>.<key>": value}}:
         whole-model FQNs (DTensor shards where the layout has them), the same keys for every layout."""
@@ -83,6 +88,9 @@ class LocalSync:
 
     def step(self) -> None:
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self, model: torch.nn.Module) -> dict:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer import compat
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import LocalSync
 from trainer.parallel.memory import tensor_bytes
@@ -97,11 +98,7 @@ class FSDPSync(LocalSync):
         root.set_is_last_backward(True)
         root.set_reshard_after_backward(True)
         root.set_requires_gradient_sync(True)
-        state = fully_shard.state(root)
-        for unit in state._state_ctx.all_states:  # private API, as torch.distributed.pipelining uses it
-            for group in unit._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()  # orders the reduce-scatters before later use (GPU streams)
+        compat.fsdp_finish_backward(fully_shard.state(root))  # private API, as torch.distributed.pipelining uses it
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.pp_group is None:

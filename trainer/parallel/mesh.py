@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer import compat
 from trainer.parallel.layout import DIM_NAMES, Layout
 
 
@@ -29,4 +30,4 @@ def build_mesh(layout: Layout, device: torch.device) -> ParallelMesh | None:
     if layout.world_size == 1:
         return None
     root = init_device_mesh(device.type, layout.shape, mesh_dim_names=DIM_NAMES)
-    return ParallelMesh(root=root, dp=root["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp"))
+    return ParallelMesh(root=root, dp=compat.flatten_mesh(root["dp_replicate", "dp_shard"], "dp"))

@@ -19,46 +19,20 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import (
-    _CONSUMED,
-    _RECOMPUTE,
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    _CachedTorchDispatchMode,
-    _sac_storage_key,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-_SAVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+from trainer import compat
+
+
+@functools.cache
+def _saved_ops() -> frozenset:
+    """The ops whose outputs selective recompute keeps: matmuls and the fused attention kernels."""
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, *compat.sdpa_ops()})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class _ReusableCache(_CachedTorchDispatchMode):
-    """torch's recompute-side SAC mode, except that an entry stays in the cache after use (torch marks
-    it consumed), so a second recompute of the same forward (W after B) reads it again. Private torch
-    API (2.13): tests/test_recompute.py runs B then W through a selective block."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        key = _sac_storage_key(func, args) if func not in SAC_IGNORED_OPS else None
-        entries = self.storage.get(key) if key is not None else None
-        index = self.func_counter[key] if key is not None else None
-        entry = entries.get(index) if entries is not None else None
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if entry is not None and entry is not _CONSUMED and entry is not _RECOMPUTE:
-            entries[index] = entry  # put back what the parent marked consumed
-        return out
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
@@ -66,8 +40,9 @@ def _selective_contexts():
 
 
 def _selective_contexts_reusable():
-    forward, _ = create_selective_checkpoint_contexts(_policy)
-    return forward, _ReusableCache(None, forward.storage)
+    """The cache read by every recompute of a block (B, then W): private torch API, see trainer/compat.py;
+    tests/test_recompute.py runs B then W through a selective block."""
+    return compat.reusable_selective_contexts(_policy)
 
 
 def apply_activation_checkpointing(blocks: torch.nn.ModuleDict, mode: str, passes_per_backward: int = 1) -> None:
@@ -78,6 +53,6 @@ def apply_activation_checkpointing(blocks: torch.nn.ModuleDict, mode: str, passe
         raise ValueError(f"activation checkpointing mode {mode!r} is not implemented")
     contexts = _selective_contexts_reusable if passes_per_backward > 1 else _selective_contexts
     extra = {"context_fn": contexts} if mode == "selective" else {}
-    wrap = functools.partial(checkpoint_wrapper, preserve_rng_state=False, **extra)
+    wrap = functools.partial(compat.checkpoint_wrapper(), preserve_rng_state=False, **extra)
     for name, block in list(blocks.items()):
         blocks[name] = wrap(block)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from trainer import compat
 from trainer.optim import build_optimizer
 from trainer.parallel import zero_state
 from trainer.parallel.buckets import Bucket, DPGroups, GradReducer
@@ -57,7 +58,7 @@ def dp_groups(mesh, mode: str) -> DPGroups:
 
 def all_gather_in_place(full: torch.Tensor, lo: int, hi: int, group: dist.ProcessGroup) -> dist.Work:
     """Fill `full` from every rank's [lo, hi) (this rank's piece is already in place), asynchronously."""
-    return dist.all_gather_single(full, full[lo:hi].clone(), group=group, async_op=True)
+    return dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=group, async_op=True)
 
 
 def _group(mesh, name: str) -> dist.ProcessGroup | None:
@@ -156,7 +157,7 @@ class BucketSync:
         uncounted = set(self.tied) if self.tie is not None and not self.tie.counted else set()
         for sharded in (True, False):
             grads = [s.grad for i, s in self.slices.items() if s.tp_sharded == sharded and i not in uncounted]
-            norms = torch._foreach_norm(grads) if grads else []
+            norms = compat.foreach_norm(grads) if grads else []
             sums.append(sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64)))
         sq = torch.stack(sums).to(self.reducer.device)
         if self.groups.shard is not None:
@@ -174,7 +175,7 @@ class BucketSync:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         grads = [s.grad for s in self.slices.values()]
         if grads:
-            torch._foreach_mul_(grads, coef)
+            compat.foreach_mul_(grads, coef)
         return norm
 
     def step(self) -> None:
@@ -184,6 +185,10 @@ class BucketSync:
         self._breakdown = self._measure()
         if self.groups.shard is not None:
             self._gather_params()
+        self.reducer.zero_grads()
+
+    def skip_step(self) -> None:
+        """Parameters are whole and unchanged between steps: dropping the gradients is all a skip needs."""
         self.reducer.zero_grads()
 
     # -- after the step ------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from trainer import compat
+
 
 @dataclass
 class Pending:
@@ -58,8 +60,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.T
     """B: the input gradient, and what W will need (the graph stays alive until W)."""
     if inp is None:  # first stage: nothing flows further back; W does the whole backward
         return None, Pending([output], [grad])
-    from torch.distributed.pipelining._backward import stage_backward_input  # a slow import: pp runs only
-
+    stage_backward_input = compat.stage_backward_input()  # private API; a slow import: pp runs only
     dinputs, groups = stage_backward_input([output], None if grad is None else [grad], [inp], iter(params))
     inp.grad = None  # stage_backward_input also accumulated it there; the caller owns dinputs[0]
     pending = Pending()

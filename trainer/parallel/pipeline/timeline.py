@@ -11,6 +11,7 @@ In the ASCII picture each action shows its kind and microbatch (`F3`, `B3`,
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -59,7 +60,7 @@ def render_ascii(result: SimResult, *, max_width: int = 160, cell: int = 3) -> s
         peak = result.peak_activation[r]
         lines.append(f"rank {r:<2}|{''.join(row)}| busy {result.busy[r]:g} idle {result.idle[r]:g} act {peak:g}")
     ticks = [" "] * (columns + 1)
-    step = next((x for x in (1, 2, 5, 10, 20, 50, 100, 200, 500) if x * per_unit >= 8), 1000)
+    step = next(m * 10**k for k in itertools.count() for m in (1, 2, 5) if m * 10**k * per_unit >= 8)  # any makespan
     t = 0
     while round(t * per_unit) <= columns:
         mark = str(t)
