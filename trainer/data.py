@@ -12,6 +12,7 @@ sees the same global batch. Torch is imported only where tensors are built:
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,24 @@ class DataError(ValueError):
 def _resolve(path: str, base_dir: str | Path | None) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why `path` is no regular file ("does not exist", "is a directory", ...), or None. Found by stat
+    alone: opening a FIFO would block until something writes to it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    return "is " + next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
 def _hf_tokenizer(path: str | Path) -> Any:
@@ -90,15 +109,16 @@ def check_data(
         return errors
     if src is DataSource.text and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
         errors.append(("tokenizer", f"byte-level text needs model.vocab >= 256, got {vocab}; raise model.vocab"))
-    if src is DataSource.text and data.tokenizer != "byte" and not _resolve(data.tokenizer, base_dir).is_file():
-        errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' does not exist; use 'byte' or a local tokenizer.json"))
+    if src is DataSource.text and data.tokenizer != "byte" and (problem := _file_problem(_resolve(data.tokenizer, base_dir))):
+        errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
     if not data.path:
         what = "a .bin of token ids" if src is DataSource.tokens else "a text file"
         return errors + [("path", f"source '{src.value}' needs a path; set data.path to {what}")]
     path = _resolve(data.path, base_dir)
-    if not path.is_file():
+    problem = _file_problem(path)
+    if problem:
         fix = "run `mantra tokenize` or fix the path" if src is DataSource.tokens else "fix the path"
-        return errors + [("path", f"file '{path}' does not exist; {fix}")]
+        return errors + [("path", f"file '{path}' {problem}; {fix}")]
     size = path.stat().st_size
     if src is DataSource.tokens:
         itemsize = np.dtype(_DTYPES[TokenDtype(data.dtype).value]).itemsize

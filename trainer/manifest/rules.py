@@ -158,6 +158,26 @@ def schedule_microbatches(m: Manifest) -> Iterator[Finding]:
         yield Finding("parallel.microbatches", f"{p.schedule.value} needs at least pp = {p.pp} microbatches, got {n}; raise it to {p.pp} or more")
 
 
+MAX_PASSES = 2**15  # `mantra plan` simulates every pass of a step: about a second for 2^15
+
+
+@rule
+def schedule_size(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    try:
+        replicate, shard = derive_dp(m)
+        n = derive_batch(m, replicate * shard).microbatches
+    except Unresolvable:
+        return
+    passes = p.pp * p.virtual_stages * n
+    if passes > MAX_PASSES:
+        yield Finding(
+            "parallel.microbatches",
+            f"pp·virtual_stages·microbatches = {p.pp}·{p.virtual_stages}·{n} = {passes} forward passes per step, "
+            f"more than mantra's bound of {MAX_PASSES}; use fewer microbatches (a larger train.micro_batch)",
+        )
+
+
 @rule
 def recompute_with_split_backward(m: Manifest) -> Iterator[Finding]:
     from trainer.parallel.pipeline.schedules import SCHEDULES  # torch-free
@@ -221,6 +241,14 @@ def data_source(m: Manifest) -> Iterator[Finding]:
 
     for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
         yield Finding(f"data.{field}", message)
+
+
+@rule
+def torch_supports_features(m: Manifest) -> Iterator[Finding]:
+    from trainer.manifest.torch_support import unsupported  # reads torch's version from its metadata, imports no torch
+
+    for field, message in unsupported(m):
+        yield Finding(field, message)
 
 
 _LATER = "not supported yet"

@@ -2,8 +2,11 @@
 
 Torch-free on purpose: `mantra validate` runs on login nodes and in editors.
 Unknown keys are errors (extra="forbid"); closed choices are enums so a typo
-is caught at load; nothing here mutates a value. Derived values (the inferred
-dp degree, the microbatch count, the world size) come from `resolve.py`.
+is caught at load; nothing here mutates a value. Every whole number has an
+upper bound (MAX_* below, `maximum` in `mantra schema`) and every float must be
+finite, so no manifest can make `validate` or `plan` run for long. Derived
+values (the inferred dp degree, the microbatch count, the world size) come
+from `resolve.py`.
 
 The key names are a contract other tools rely on: add keys, never rename.
 """
@@ -22,9 +25,30 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
+# Upper bounds of the whole numbers: far above any run that exists (Llama 3 405B: dim 16384, 126 layers,
+# vocab 128256, 16384 GPUs), low enough that `validate` and `plan` finish in seconds at any of them.
+MAX_DIM = 2**20  # model.dim
+MAX_FFN_DIM = 2**22
+MAX_HEADS = 2**16  # model.heads, model.kv_heads
+MAX_LAYERS = 1024  # model.layers, each stage_layers entry (DeepNet, the deepest published, has 1000)
+MAX_VOCAB = 2**24
+MAX_SEQ_LEN = 2**24
+MAX_DEGREE = 2**17  # dp_replicate, dp_shard, cp, tp
+MAX_PP = 128  # `plan` simulates and prints every pipeline rank (Megatron's 1T run used 64)
+MAX_VIRTUAL_STAGES = 64
+MAX_BATCH = 2**24  # samples: global_batch, micro_batch, microbatches
+MAX_STEPS = 10**9  # steps, and every count of steps (warmup, every, max_skipped)
+MAX_SEED = 2**63 - 1  # what torch.manual_seed takes as a signed 64-bit integer
+MAX_KEEP = 10**6
+MAX_NODES = 2**16
+MAX_GPUS_PER_NODE = 1024
+MAX_CPUS = 2**16  # slurm.cpus_per_task
+MAX_NPROC = 4096  # local ranks on one machine
+MAX_GRACE_S = 65535  # Slurm's --signal takes at most 65535 seconds
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False, allow_inf_nan=False)
 
 
 class Schedule(str, enum.Enum):
@@ -114,13 +138,13 @@ class ModelSection(Section):
     """The decoder's shape; `kind` picks the plugin from the model registry."""
 
     kind: str = Field("llama", description="registered model kind (`mantra models` lists them)")
-    dim: PositiveInt = Field(description="hidden size")
-    layers: PositiveInt = Field(description="number of transformer blocks")
-    heads: PositiveInt = Field(description="attention (query) heads")
-    kv_heads: PositiveInt | None = Field(None, description="key/value heads for GQA; default: heads")
-    ffn_dim: PositiveInt = Field(description="hidden size of the SwiGLU feed-forward")
-    vocab: PositiveInt = Field(description="vocabulary size (byte-level text needs >= 256)")
-    seq_len: PositiveInt = Field(description="tokens per sample")
+    dim: PositiveInt = Field(description="hidden size", le=MAX_DIM)
+    layers: PositiveInt = Field(description="number of transformer blocks", le=MAX_LAYERS)
+    heads: PositiveInt = Field(description="attention (query) heads", le=MAX_HEADS)
+    kv_heads: PositiveInt | None = Field(None, description="key/value heads for GQA; default: heads", le=MAX_HEADS)
+    ffn_dim: PositiveInt = Field(description="hidden size of the SwiGLU feed-forward", le=MAX_FFN_DIM)
+    vocab: PositiveInt = Field(description="vocabulary size (byte-level text needs >= 256)", le=MAX_VOCAB)
+    seq_len: PositiveInt = Field(description="tokens per sample", le=MAX_SEQ_LEN)
     rope_theta: PositiveFloat = Field(10000.0, description="RoPE base")
     norm_eps: PositiveFloat = Field(1e-5, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(False, description="share the input embedding with the output head")
@@ -139,18 +163,18 @@ class ParallelSection(Section):
     """
 
     dp_replicate: Annotated[int, Field(ge=-1)] = Field(
-        -1, description="replicated data-parallel degree; -1 infers it from the world size"
+        -1, description="replicated data-parallel degree; -1 infers it from the world size", le=MAX_DEGREE
     )
     dp_shard: Annotated[int, Field(ge=-1)] = Field(
-        -1, description="sharded data-parallel (ZeRO/FSDP) degree; -1 infers it from the world size"
+        -1, description="sharded data-parallel (ZeRO/FSDP) degree; -1 infers it from the world size", le=MAX_DEGREE
     )
-    cp: PositiveInt = Field(1, description="context-parallel degree")
-    tp: PositiveInt = Field(1, description="tensor-parallel degree")
+    cp: PositiveInt = Field(1, description="context-parallel degree", le=MAX_DEGREE)
+    tp: PositiveInt = Field(1, description="tensor-parallel degree", le=MAX_DEGREE)
     sequence_parallel: bool = Field(False, description="Megatron sequence parallel inside the tp group")
-    pp: PositiveInt = Field(1, description="pipeline-parallel degree")
+    pp: PositiveInt = Field(1, description="pipeline-parallel degree", le=MAX_PP)
     schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")
-    virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
-    stage_layers: tuple[NonNegativeInt, ...] | Literal["balanced"] | None = Field(
+    virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank", le=MAX_VIRTUAL_STAGES)
+    stage_layers: tuple[Annotated[int, Field(ge=0, le=MAX_LAYERS)], ...] | Literal["balanced"] | None = Field(
         None,
         description="layers of each virtual stage in model order: null (default) uniform, "
         "model.layers / (pp * virtual_stages); a list of pp * virtual_stages counts summing to model.layers; "
@@ -161,6 +185,7 @@ class ParallelSection(Section):
         None,
         description="gradient-accumulation count when pp = 1, pipeline microbatches otherwise; "
         "derived from global_batch / (micro_batch * dp) when omitted",
+        le=MAX_BATCH,
     )
     optimizer_sharding: Sharding = Field(Sharding.none, description="none | zero1 | zero2 | zero3")
     reduce_dtype: ReduceDtype = Field(ReduceDtype.fp32, description="dtype gradients are reduced in: fp32 | bf16")
@@ -186,23 +211,27 @@ class ParallelSection(Section):
         for i, n in enumerate(value):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"entry {i} is {n!r}; layer counts are whole numbers >= 0")
+            if n > MAX_LAYERS:
+                raise ValueError(f"entry {i} is {n}; a stage holds at most {MAX_LAYERS} layers (model.layers' bound)")
         return handler(tuple(value))
 
 
 class TrainSection(Section):
-    global_batch: PositiveInt | None = Field(None, description="samples per optimizer step, all ranks together")
-    micro_batch: PositiveInt | None = Field(None, description="samples per forward pass on one rank")
-    steps: PositiveInt = Field(description="optimizer steps")
+    global_batch: PositiveInt | None = Field(None, description="samples per optimizer step, all ranks together", le=MAX_BATCH)
+    micro_batch: PositiveInt | None = Field(None, description="samples per forward pass on one rank", le=MAX_BATCH)
+    steps: PositiveInt = Field(description="optimizer steps", le=MAX_STEPS)
     precision: Precision = Field(Precision.auto, description="auto: bf16 on GPU, fp32 on CPU")
     activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
     compile: bool = Field(False, description="torch.compile each block")
-    seed: NonNegativeInt = Field(0, description="seeds init and data order")
+    seed: NonNegativeInt = Field(0, description="seeds init and data order", le=MAX_SEED)
     on_nonfinite: OnNonFinite = Field(
         OnNonFinite.stop,
         description="a step whose loss or global grad norm is NaN/inf: stop (exit non-zero, status failed) "
         "or skip (drop that update; stop after max_skipped in a row)",
     )
-    max_skipped: PositiveInt = Field(3, description="with on_nonfinite: skip, consecutive skipped steps that stop the run")
+    max_skipped: PositiveInt = Field(
+        3, description="with on_nonfinite: skip, consecutive skipped steps that stop the run", le=MAX_STEPS
+    )
     hang_timeout_s: PositiveFloat | None = Field(
         None,
         description="seconds a step or collective may take before the run is declared hung (stacks dumped to the "
@@ -216,7 +245,7 @@ class OptimizerSection(Section):
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="global grad-norm clip; 0 disables")
-    warmup: NonNegativeInt = Field(0, description="linear warmup steps")
+    warmup: NonNegativeInt = Field(0, description="linear warmup steps", le=MAX_STEPS)
     decay: Decay = Field(Decay.cosine, description="shape after warmup")
     min_lr: Annotated[float, Field(ge=0)] = Field(0.0, description="floor the decay reaches at the last step")
 
@@ -230,8 +259,8 @@ class DataSection(Section):
 
 class CheckpointSection(Section):
     dir: str | None = Field(None, description="default: <run dir>/ckpt")
-    every: NonNegativeInt = Field(0, description="save every N steps; 0 never")
-    keep: PositiveInt = Field(3, description="committed checkpoints to keep")
+    every: NonNegativeInt = Field(0, description="save every N steps; 0 never", le=MAX_STEPS)
+    keep: PositiveInt = Field(3, description="committed checkpoints to keep", le=MAX_KEEP)
     async_save: bool = Field(False, description="write checkpoints in the background; training waits only for staging")
     resume_from: str | None = Field(
         None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
@@ -249,7 +278,7 @@ class WandbSection(Section):
 
 
 class LoggingSection(Section):
-    every: PositiveInt = Field(10, description="log every N steps (and the last step)")
+    every: PositiveInt = Field(10, description="log every N steps (and the last step)", le=MAX_STEPS)
     dir: str | None = Field(None, description="run directory; default runs/<name>")
     sinks: tuple[Sink, ...] = Field((Sink.console, Sink.jsonl), description="console | jsonl | tensorboard | wandb")
     wandb: WandbSection = WandbSection()
@@ -265,14 +294,14 @@ class SlurmSection(Section):
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    nodes: PositiveInt = 1
-    gpus_per_node: PositiveInt = Field(1, description="one task per GPU")
-    cpus_per_task: PositiveInt | None = None
+    nodes: PositiveInt = Field(1, le=MAX_NODES)
+    gpus_per_node: PositiveInt = Field(1, description="one task per GPU", le=MAX_GPUS_PER_NODE)
+    cpus_per_task: PositiveInt | None = Field(None, le=MAX_CPUS)
     mem: str | None = None
     time: str = Field("01:00:00", description="[D-]HH:MM:SS")
     constraint: str | None = None
     exclusive: bool = False
-    signal_grace_s: PositiveInt = Field(120, description="seconds between the warning signal and the kill")
+    signal_grace_s: PositiveInt = Field(120, description="seconds between the warning signal and the kill", le=MAX_GRACE_S)
     extra: tuple[str, ...] = Field((), description="extra #SBATCH directives, e.g. '--reservation=x'")
     setup: tuple[str, ...] = Field((), description="lines run before the task (module load, venv activate)")
     container_image: str | None = Field(None, description="pyxis/enroot image")
@@ -287,7 +316,7 @@ class SlurmSection(Section):
 
 class LauncherSection(Section):
     kind: LauncherKind = LauncherKind.local
-    nproc: PositiveInt = Field(1, description="local ranks (torchrun --nproc-per-node)")
+    nproc: PositiveInt = Field(1, description="local ranks (torchrun --nproc-per-node)", le=MAX_NPROC)
     slurm: SlurmSection = SlurmSection()
 
 

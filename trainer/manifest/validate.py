@@ -54,6 +54,8 @@ def _shown(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return "a list"
+    if isinstance(value, int) and len(str(value)) > 20:
+        return f"a number of {len(str(abs(value)))} digits"
     return repr(value)
 
 
@@ -78,7 +80,7 @@ def _message(err: dict[str, Any], path: tuple[str | int, ...]) -> str:
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"expected a whole number, got {_shown(value)}; write e.g. 2"
     if kind in ("float_type", "float_parsing"):
-        return f"expected a number, got {_shown(value)}; write e.g. 3.0e-4"
+        return f"expected a number, got {_shown(value)}; .inf and .nan are not allowed"
     if kind in ("bool_type", "bool_parsing"):
         return f"expected true or false, got {_shown(value)}"
     if kind in ("string_type",):
@@ -95,6 +97,10 @@ def _message(err: dict[str, Any], path: tuple[str | int, ...]) -> str:
         return f"must be at least {ctx['ge']}, got {_shown(value)}"
     if kind == "less_than":
         return f"must be less than {ctx['lt']}, got {_shown(value)}"
+    if kind == "less_than_equal":
+        return f"must be at most {ctx['le']}, got {_shown(value)}; that is mantra's bound, far above any real run"
+    if kind == "finite_number":
+        return f"must be a finite number, got {_shown(value)}; .inf and .nan are not allowed"
     if kind == "value_error":
         return str(ctx.get("error", err["msg"])).rstrip(".")
     return f"{err['msg'][0].lower()}{err['msg'][1:].rstrip('.')}"
