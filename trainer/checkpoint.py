@@ -2,7 +2,8 @@
 
     <checkpoint dir>/
       step-00000010/       DCP shards of the model and optimizer (+ .metadata), trainer.pt, rng-rank<R>.pt
-        COMMITTED          written by rank 0 only after every rank finished writing: the commit marker
+        COMMITTED          written by rank 0 only after every rank finished writing: the commit marker,
+                           with the size and checksum of every file (trainer/ckpt_integrity.py)
       latest               "step-00000010", replaced atomically after the commit
 
 Model and optimizer are saved in one layout-free form — parameter FQNs of the
@@ -12,13 +13,33 @@ reads the pieces each rank needs. The step, the LR schedule and the data
 sampler position are global and saved once (trainer.pt); RNG states are per
 rank and restored only when the world size is unchanged.
 
+Every file of a checkpoint is treated as hostile:
+  - nothing is unpickled that did not pass a check: `.metadata` is compared with
+    its checksum (verify: full) and then unpickled with an allowlist of DCP's own
+    classes (always); our .pt files load with weights_only=True, after their
+    checksum; each rank verifies the shards it reads right before reading them
+    (trainer/ckpt_storage.py says why that reads the disk once);
+  - nothing is read outside the root: auto-resume takes step directories
+    directly inside it (trainer/ckpt_paths.py), never a symlink, and says so when
+    `latest` points elsewhere;
+  - a state holding NaN or inf is never committed;
+  - a read-only, missing or too-full directory is found when the Checkpointer is
+    built (trainer/ckpt_preflight.py), and a save that runs out of space says how
+    much it needed.
+
 A directory without COMMITTED (a save killed half-way) is skipped with a
-warning; one that fails to load (a corrupted file) is reported in one line and
-the previous committed checkpoint is used, on every rank alike.
+warning; one that fails to load (a corrupted, refused or unverifiable file) is
+reported in one line naming the file and the previous committed checkpoint is
+used, on every rank alike. When committed checkpoints exist but none loads,
+the run stops rather than train from step 1 over them. Checkpoints committed
+before checksums were recorded (COMMITTED reads `step N`) cannot be verified:
+verify: full refuses them with that reason, verify: off loads them (the
+allowlist still guards the unpickling).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -31,11 +52,34 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from trainer.ckpt_integrity import (
+    COMMITTED,
+    IntegrityError,
+    checksum_bytes,
+    checksum_file,
+    gather_rank_checksums,
+    is_rank_checksums,
+    read_marker,
+    read_verified,
+    remove_rank_checksums,
+    write_marker,
+)
+from trainer.ckpt_paths import LATEST, STEP_NAME, latest_problem, step_dirs, stray_step_links
+from trainer.ckpt_preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
+from trainer.ckpt_storage import METADATA, ChecksummingWriter, SafeLoadPlanner, TrustedReader
+
 log = logging.getLogger(__name__)
 
-COMMITTED = "COMMITTED"
-LATEST = "latest"
 MANIFEST = "manifest.yaml"  # the run's resolved manifest, so a checkpoint explains itself (export reads it)
+__all__ = ["COMMITTED", "LATEST", "MANIFEST", "Checkpointer", "Resumed", "NonFiniteCheckpoint", "CheckpointUnusable"]
+
+
+class NonFiniteCheckpoint(RuntimeError):
+    """The state to be saved holds NaN or inf: nothing was written, `latest` did not move."""
+
+
+class CheckpointUnusable(RuntimeError):
+    """Committed checkpoints exist but none loads: stop rather than train from step 1 over them."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -43,18 +87,12 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a commit marker, newest first."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for d in root.glob("step-*"):
-        if (d / COMMITTED).exists() and d.name[5:].isdigit():
-            steps.append(int(d.name[5:]))
-    return sorted(steps, reverse=True)
+    """Steps with a commit marker, newest first (real step directories directly inside `root` only)."""
+    return sorted((int(d.name[5:]) for d in step_dirs(root) if (d / COMMITTED).exists()), reverse=True)
 
 
 def uncommitted_dirs(root: Path) -> list[Path]:
-    return sorted(d for d in root.glob("step-*") if d.is_dir() and not (d / COMMITTED).exists()) if root.is_dir() else []
+    return [d for d in step_dirs(root) if not (d / COMMITTED).exists()]
 
 
 def _barrier() -> None:
@@ -70,6 +108,31 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
     return flag.item() == 0
 
 
+def first_nonfinite(state) -> str | None:
+    """The key of the first floating tensor (this rank's shard) holding NaN or inf, else None; one sync."""
+    names, flags = [], []
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}.{i}", item)
+        elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
+            names.append(prefix)
+            flags.append(torch.isfinite(local).all())
+
+    walk("", state)
+    if not flags:
+        return None
+    ok = torch.stack(flags)
+    if bool(ok.all()):
+        return None
+    return names[int((~ok).nonzero()[0])]
+
+
 @dataclass
 class Resumed:
     step: int
@@ -77,16 +140,32 @@ class Resumed:
 
 
 class Checkpointer:
-    """Saves and restores everything a run needs to continue as if it had never stopped."""
+    """Saves and restores everything a run needs to continue as if it had never stopped.
 
-    def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device):
+    verify: "full" (or Verify.full) checks every file against the checksums in COMMITTED before it is read;
+    "off" trusts them (the restricted unpickler still applies). With `model` (and `sync` for its optimizer)
+    the space one checkpoint needs is checked at construction; without, only that the directory is writable.
+    """
+
+    def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device,
+                 verify="full", model: torch.nn.Module | None = None, sync=None):
         self.root = Path(root)
         self.device = device
         self.keep = keep
         self.rank = rank
         self.world_size = world_size
+        self.verify = str(getattr(verify, "value", verify)) != "off"
+        self.need_bytes: int | None = None
         self._pending = None  # (future, step, directory, start time) of a background save
         self._async_group = None
+        self.preflight(model, sync)
+
+    def preflight(self, model: torch.nn.Module | None = None, sync=None) -> None:
+        """Fail now, with one line, if a save could not be written: unwritable directory, too little space."""
+        check_writable(self.root, self.rank)
+        if model is not None:
+            self.need_bytes = estimate_bytes(model, getattr(sync, "optimizer", None))  # collective
+            check_space(self.root, self.need_bytes)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -94,6 +173,12 @@ class Checkpointer:
         """Write step `step`. Synchronous: returns once committed. Asynchronous: returns once the state is
         staged in host memory; the files are written in the background and committed by `poll`/`wait`."""
         self.wait()  # one save in flight at a time; the previous one commits first
+        state = sync.state_dict(model)
+        bad = first_nonfinite(state)
+        if not _all_ok(bad is None, self.device):  # every rank refuses alike, before anything is written
+            where = f"'{bad}'" if bad else "a tensor on another rank"
+            raise NonFiniteCheckpoint(f"checkpoint step {step}: {where} holds NaN or inf; not saved "
+                                      f"({self.root / LATEST} stays at the last good checkpoint)")
         target = step_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -101,23 +186,30 @@ class Checkpointer:
                 shutil.rmtree(target)
         _barrier()
         start = time.perf_counter()
-        target.mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), target / f"rng-rank{self.rank}.pt")
-        if self.rank == 0:
-            torch.save({"step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
-                        "world_size": self.world_size}, target / "trainer.pt")
-            (target / MANIFEST).write_text(manifest_text)
-        if asynchronous:
-            # DCP's coordinator finishes only after every rank's shards are written, so when rank 0's
-            # future is done the whole step is on disk; a separate gloo group keeps the background
-            # thread's collectives apart from training's.
-            if self._async_group is None and dist.is_initialized():
-                self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(sync.state_dict(model), checkpoint_id=str(target), process_group=self._async_group)
-            self._pending = (future, step, target, start)
-            log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
-            return target
-        dcp.save(sync.state_dict(model), checkpoint_id=str(target))
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            own = {f"rng-rank{self.rank}.pt": _write(target / f"rng-rank{self.rank}.pt", _torch_bytes(_rng_state()))}
+            if self.rank == 0:
+                own["trainer.pt"] = _write(target / "trainer.pt", _torch_bytes({
+                    "step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
+                    "world_size": self.world_size}))
+                own[MANIFEST] = _write(target / MANIFEST, manifest_text.encode())
+            writer = ChecksummingWriter(target, self.rank, own)
+            if asynchronous:
+                # DCP's coordinator finishes only after every rank's shards are written (and their checksum
+                # files, see ckpt_storage), so when rank 0's future is done the whole step is on disk; a
+                # separate gloo group keeps the background thread's collectives apart from training's.
+                if self._async_group is None and dist.is_initialized():
+                    self._async_group = dist.new_group(backend="gloo")
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+                self._pending = (future, step, target, start)
+                log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
+                return target
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as exc:
+            if is_out_of_space(exc):
+                raise space_error(self.root, step, self._need()) from None
+            raise
         _barrier()  # every rank's shards are on disk before the commit
         self._commit(step, target)
         _barrier()
@@ -135,14 +227,33 @@ class Checkpointer:
             return
         future, step, target, start = self._pending
         self._pending = None
-        future.result()  # re-raises a failed write on this rank
+        try:
+            future.result()  # re-raises a failed write on this rank
+        except (Exception, CheckpointException) as exc:
+            if is_out_of_space(exc):
+                raise space_error(self.root, step, self._need()) from None
+            raise
         self._commit(step, target)
         log.info("checkpoint step %d written to %s %.2f s after it started", step, target, time.perf_counter() - start)
 
+    def _need(self) -> int | None:
+        """The bytes a checkpoint needs: the preflight estimate, else the newest committed one's size."""
+        if self.need_bytes:
+            return self.need_bytes
+        steps = committed_steps(self.root)
+        return sum(f.stat().st_size for f in step_dir(self.root, steps[0]).iterdir() if f.is_file()) if steps else None
+
     def _commit(self, step: int, target: Path) -> None:
+        """Rank 0, once every rank has written: COMMITTED with every file's checksum, then `latest`."""
         if self.rank != 0:
             return
-        (target / COMMITTED).write_text(f"step {step}\n")
+        files = gather_rank_checksums(target, self.world_size)
+        files[METADATA] = checksum_file(target / METADATA)
+        for extra in sorted(target.iterdir()):  # anything no rank reported (a file a newer DCP adds)
+            if extra.name not in files and extra.name != COMMITTED and not is_rank_checksums(extra.name):
+                files[extra.name] = checksum_file(extra)
+        write_marker(target, step, files)
+        remove_rank_checksums(target, self.world_size)
         tmp = self.root / f".{LATEST}.tmp"
         tmp.write_text(target.name + "\n")
         os.replace(tmp, self.root / LATEST)
@@ -159,12 +270,20 @@ class Checkpointer:
 
     def candidates(self, resume_from: str | None) -> list[Path]:
         if resume_from and not resume_from.isdigit():
+            # named by the user (like `mantra export STEP_DIR`): allowed wherever it is, but it must itself be
+            # a committed step directory; nothing in it is followed
             path = Path(resume_from)
-            if not (path / COMMITTED).exists():
-                raise FileNotFoundError(f"checkpoint.resume_from: {path} is not a committed checkpoint (no {COMMITTED})")
+            if not STEP_NAME.fullmatch(path.name) or path.is_symlink() or not (path / COMMITTED).exists():
+                raise FileNotFoundError(f"checkpoint.resume_from: {path} is not a committed checkpoint "
+                                        f"(a step-NNNNNNNN directory with {COMMITTED})")
             return [path]
-        for partial in uncommitted_dirs(self.root):
-            if self.rank == 0:
+        if self.rank == 0:
+            if problem := latest_problem(self.root):
+                log.warning("%s; resuming from the newest committed step directory inside %s instead", problem, self.root)
+            for link in stray_step_links(self.root):
+                log.warning("checkpoint %s is a symbolic link; checkpoints are never followed out of %s; skipping it",
+                            link, self.root)
+            for partial in uncommitted_dirs(self.root):
                 log.warning("checkpoint %s has no %s marker (a save that did not finish); skipping it", partial, COMMITTED)
         steps = committed_steps(self.root)
         if resume_from:
@@ -176,44 +295,63 @@ class Checkpointer:
 
     def load_latest(self, resume_from: str | None, sync, model, lr_schedule, loader) -> Resumed | None:
         """Restore the newest loadable committed checkpoint; None when there is none (a fresh run)."""
-        for path in self.candidates(resume_from):
-            ok, error = True, ""
+        candidates = self.candidates(resume_from)
+        reasons = []
+        for path in candidates:
+            ok, error, loaded = True, "", None
             try:
-                verify_files(path)
-                state = sync.state_dict(model)
-                dcp.load(state, checkpoint_id=str(path))
-                trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-            except (Exception, CheckpointException) as exc:  # a corrupt or missing file: fall back on every rank alike
+                loaded = self._read(path, sync, model)
+            except (Exception, CheckpointException) as exc:  # a corrupt, refused or missing file: every rank alike
                 ok, error = False, _one_line(exc)
             if not _all_ok(ok, self.device):
                 if self.rank == 0 or not ok:
                     log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", path, error or "on another rank")
+                reasons.append(f"{path.name}: {error or 'failed on another rank'}")
                 continue
+            state, trainer_state, rng = loaded
             sync.load_state_dict(model, state)
             lr_schedule.load_state_dict(trainer_state["lr_schedule"])
             loader.load_state_dict(trainer_state["loader"])
-            rng = path / f"rng-rank{self.rank}.pt"
-            if trainer_state["world_size"] == self.world_size and rng.exists():
-                _set_rng_state(torch.load(rng, weights_only=True))
+            if rng is not None:
+                _set_rng_state(rng)
             return Resumed(step=int(trainer_state["step"]), path=path)
+        if candidates:
+            raise CheckpointUnusable(
+                f"none of the {len(candidates)} committed checkpoint(s) in {self.root} can be loaded "
+                f"(newest: {reasons[0]}); move them aside to start anew"
+                + ("" if not self.verify else ", or set checkpoint.verify: off for checkpoints written before checksums"))
         return None
 
+    def _read(self, path: Path, sync, model):
+        """Check, then read, one checkpoint on this rank: (DCP state, trainer state, rng state or None)."""
+        marker = read_marker(path) if self.verify else None
+        if marker is not None and not marker.has_checksums:
+            raise IntegrityError(f"{path / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
+                                 "them), so it cannot be verified; set checkpoint.verify: off to load it unverified")
+        reader = TrustedReader(path, marker)
+        reader.read_metadata()  # checksum, allowlisted unpickling and file names: before DCP sees any of it
+        trainer_state = torch.load(io.BytesIO(read_verified(marker, path, "trainer.pt")), weights_only=True)
+        rng_name, rng = f"rng-rank{self.rank}.pt", None
+        if trainer_state["world_size"] == self.world_size and (path / rng_name).exists():
+            rng = torch.load(io.BytesIO(read_verified(marker, path, rng_name)), weights_only=True)
+        state = sync.state_dict(model)
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        return state, trainer_state, rng
 
-def verify_files(path: Path) -> None:
-    """Every shard file the checkpoint's metadata points to exists and is long enough (truncation check)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.exists():
-            raise FileNotFoundError(f"{file} is missing")
-        if file.stat().st_size < size:
-            raise EOFError(f"{file} is truncated ({file.stat().st_size} of {size} bytes)")
-    for extra in ("trainer.pt",):
-        if not (path / extra).exists():
-            raise FileNotFoundError(f"{path / extra} is missing")
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write(path: Path, data: bytes) -> tuple[int, str]:
+    """Write a small file and return its (size, checksum), hashed from memory, not read back."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # like DCP's shards: on disk before the commit marker that vouches for it
+    return len(data), checksum_bytes(data)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -6,6 +6,12 @@
 One process reads the sharded checkpoint whatever layout wrote it (DCP
 reassembles whole tensors) and writes LlamaForCausalLM's names, so
 `AutoModelForCausalLM.from_pretrained(out)` loads it with no mantra installed.
+
+The checkpoint is read as hostile, like a resume does (trainer/checkpoint.py):
+the root's `latest` is followed only to a step directory inside the root, every
+file is checked against COMMITTED's checksums before it is read (verify=True),
+and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
+one line naming the file, exit 2.
 """
 
 from __future__ import annotations
@@ -17,9 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint import COMMITTED, LATEST, MANIFEST
+from trainer.checkpoint import COMMITTED, LATEST, MANIFEST, _one_line
+from trainer.ckpt_integrity import IntegrityError, read_marker, read_verified
+from trainer.ckpt_paths import OutsideCheckpoint, read_latest
+from trainer.ckpt_storage import SafeLoadPlanner, TrustedReader
 from trainer.manifest.schema import Manifest
+from trainer.safe_unpickle import RefusedPickle
 
 
 class ExportError(ValueError):
@@ -27,36 +38,52 @@ class ExportError(ValueError):
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    if (path / LATEST).exists():  # a checkpoint root: take the latest committed step
-        path = path / (path / LATEST).read_text().strip()
+    """A step directory the user named, or the one a checkpoint root's `latest` names inside that root."""
+    if (path / LATEST).exists() or (path / LATEST).is_symlink():  # a checkpoint root: its latest committed step
+        try:
+            path = read_latest(path)
+        except OutsideCheckpoint as exc:
+            raise ExportError(str(exc)) from None
     if not (path / COMMITTED).exists():
         raise ExportError(f"{path}: not a committed checkpoint (no {COMMITTED}); give a step directory or a checkpoint root")
     return path
 
 
-def load_model(checkpoint: Path) -> tuple[torch.nn.Module, Manifest]:
-    """The whole model of a checkpoint, in this one process, whatever layout saved it."""
+def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, Manifest]:
+    """The whole model of a checkpoint, in this one process, whatever layout saved it. verify=False skips
+    the checksums (for checkpoints written before they were recorded); the allowlist always applies."""
     from trainer.models import get_model_spec
 
     step = resolve_checkpoint(Path(checkpoint))
-    manifest = Manifest.model_validate(yaml.safe_load((step / MANIFEST).read_text()))
-    spec = get_model_spec(manifest.model.kind)
-    model = spec.build(manifest.model)
-    spec.init_weights(model, 0)  # buffers; every parameter is overwritten below
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(step))
+    try:
+        marker = read_marker(step) if verify else None
+        if marker is not None and not marker.has_checksums:
+            raise ExportError(f"{step / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
+                              "them), so it cannot be verified; export it with verification off to trust it as is")
+        manifest = Manifest.model_validate(yaml.safe_load(read_verified(marker, step, MANIFEST, limit=16 << 20)))
+        reader = TrustedReader(step, marker)
+        reader.read_metadata()  # checked and allowlisted before DCP sees it
+        spec = get_model_spec(manifest.model.kind)
+        model = spec.build(manifest.model)
+        spec.init_weights(model, 0)  # buffers; every parameter is overwritten below
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+        raise ExportError(str(exc)) from None
+    except CheckpointException as exc:  # raised inside DCP's read (a shard's checksum): keep its last line
+        raise ExportError(f"{step}: {_one_line(exc)}") from None
     model.load_state_dict(state["model"])
     return model, manifest
 
 
-def export_hf(checkpoint: Path, out: Path) -> Path:
+def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
     from safetensors.torch import save_file
 
     from trainer.models.llama.hf import hf_config_kwargs, to_hf_state_dict
 
-    model, manifest = load_model(checkpoint)
+    model, manifest = load_model(checkpoint, verify)
     cfg = manifest.model
     if cfg.kind != "llama":
         raise ExportError(f"{checkpoint}: model.kind '{cfg.kind}' has no Hugging Face mapping; only llama exports")
