@@ -9,7 +9,8 @@
     mantra models                                      # installed model kinds
     mantra tokenize corpus.txt --out data/train.bin    # text -> token ids
 
-Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else.
+Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else; and from `run`: 75 saved on
+SIGTERM/SIGUSR1 (start again to resume), 130 Ctrl-C (saved; a second Ctrl-C aborts), 124 hung.
 """
 
 from __future__ import annotations
@@ -63,13 +64,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from launchers.local import run_local
+    from launchers.rundir import RunDirError, claim_run_dir
+    from trainer.ckpt_preflight import CheckpointDirError, check_writable
     from trainer.data import DataError
 
     run = _load(args)
     try:
+        claim = claim_run_dir(run, fresh=args.fresh)  # held until this process ends: one run per directory
+    except RunDirError as exc:
+        raise BadInput(str(exc)) from None
+    if claim.moved_to is not None:
+        print(f"--fresh: the earlier run in {run.run_dir} was moved to {claim.moved_to}", file=sys.stderr)
+    if claim.complete_step is not None and args.resume_from is None:
+        print(f"{run.manifest.name}: already complete (step {claim.complete_step}); nothing to do "
+              f"(raise train.steps to continue it, or --fresh to start anew)")
+        return EXIT_OK
+    try:
+        check_writable(run.checkpoint_dir)  # before any rank starts, so `--nproc N` exits 2 as well
         return run_local(run)
-    except DataError as exc:  # found only when the data is read (e.g. a token id beyond the vocab)
+    except (DataError, CheckpointDirError) as exc:  # data: found only when read (e.g. an id beyond the vocab)
         raise BadInput(f"{run.source}: {exc}") from None
+    finally:
+        claim.lock.release()
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
@@ -103,7 +119,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from launchers.slurm import SlurmError, submit_manifests
 
     try:
-        return submit_manifests(args.manifests, list(args.set or []), list(args.sweep or []), wait=args.wait)
+        return submit_manifests(args.manifests, list(args.set or []), list(args.sweep or []), wait=args.wait,
+                                fresh=args.fresh)
     except SlurmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -147,7 +164,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from trainer.export import ExportError, export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.out)
+        out = export_hf(args.checkpoint, args.out, verify=args.verify == "full")
     except (ExportError, FileNotFoundError) as exc:
         raise BadInput(str(exc)) from None
     print(f"{out}: model.safetensors + config.json (load with transformers.AutoModelForCausalLM.from_pretrained)")
@@ -175,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="resume from this step or checkpoint directory instead of the latest committed one")
+    p.add_argument("--fresh", action="store_true",
+                   help="start anew: an earlier run in the run directory is moved aside (renamed, never deleted)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")
@@ -198,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                    help="one run per value (repeatable: every combination), submitted as one job array")
     p.add_argument("--wait", action="store_true", help="stream rank 0's log until the job ends; exit with its status")
+    p.add_argument("--fresh", action="store_true",
+                   help="start anew: an earlier run in the run directory is moved aside (renamed, never deleted)")
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("schema", help="print the manifest's JSON Schema")
@@ -210,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, metavar="CKPT", help="a checkpoint directory (step-N) or a checkpoint root")
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: safetensors + config.json)")
     p.add_argument("out", type=Path, metavar="DIR", help="output directory")
+    p.add_argument("--verify", choices=["full", "off"], default="full",
+                   help="full (default): check every file against the checksums recorded at commit; off: a "
+                        "checkpoint from before checksums (its metadata is still read through the allowed list)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("tokenize", help="turn a text file into a .bin of token ids")
@@ -231,8 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # before the run's own handlers, or a second Ctrl-C (trainer/preempt.py)
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         return 130
 
 

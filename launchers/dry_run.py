@@ -1,8 +1,9 @@
 """`mantra dry-run`: everything but the training — the layout, the model's shapes, the command.
 
-Builds the model on the meta device (no memory, no GPU), then prints one row
-per rank: its mesh coordinates, the layers it holds and the parameters it
-holds, and the exact command `mantra run` would start.
+Builds the model once on the meta device (no memory, no GPU), then prints one
+row per rank (of a world over 64 ranks, its data-parallel rank 0s): its mesh
+coordinates, the layers it holds and the parameters it holds, and the exact
+command `mantra run` would start.
 """
 
 from __future__ import annotations
@@ -40,9 +41,33 @@ def spans(indices: list[int]) -> str:
     return ",".join(out) or "-"
 
 
-def rank_rows(run: Resolved) -> list[RankRow]:
-    """One row per rank, with parameter counts taken from the model built on the meta device and the
-    stage split the pipeline really uses (uniform, listed or balanced; loop or V placement)."""
+MAX_ROWS = 64  # a larger world shows its data-parallel rank 0s only (the others hold the same), up to this many
+
+
+def shown_ranks(layout, limit: int = MAX_ROWS) -> list[int]:
+    """Every rank of a small world; of a large one, the ranks at data-parallel coordinate 0 (a dp replica
+    holds what its dp rank 0 holds), at most `limit` of them: rows, not a wall of millions of lines."""
+    if layout.world_size <= limit:
+        return list(range(layout.world_size))
+    stride = {}
+    size = 1
+    for name, degree in reversed(list(zip(DIM_NAMES, layout.shape))):
+        stride[name] = size
+        size *= degree
+    out = []
+    for pp in range(layout.pp):
+        for cp in range(layout.cp):
+            for tp in range(layout.tp):
+                if len(out) == limit:
+                    return out
+                out.append(pp * stride["pp"] + cp * stride["cp"] + tp * stride["tp"])
+    return out
+
+
+def rank_rows(run: Resolved, ranks: list[int] | None = None) -> list[RankRow]:
+    """One row per rank (all of them, or `ranks`), with parameter counts taken from the model built once
+    on the meta device and the stage split the pipeline really uses (uniform, listed or balanced; loop
+    or V placement)."""
     import torch
 
     from trainer.models import get_model_spec
@@ -51,16 +76,21 @@ def rank_rows(run: Resolved) -> list[RankRow]:
     m = run.manifest
     p = m.parallel
     layout = run.layout
+    ranks = list(range(layout.world_size)) if ranks is None else ranks
     stages, split = layout_for(run)
+    with torch.device("meta"):
+        model = get_model_spec(m.model.kind).build(m.model)
+    children, blocks = dict(model.named_children()), dict(model.layers.items())
     kept: dict[int, dict[str, int]] = {}  # pp rank -> {fqn: numel} of what it keeps (split.keep_stages, as the runtime)
-    for pp_rank in range(p.pp):
-        with torch.device("meta"):
-            model = get_model_spec(m.model.kind).build(m.model)
+    for pp_rank in sorted({layout.coords(r)["pp"] for r in ranks}):
         if p.pp > 1:
             keep_stages(model, stages, pp_rank, split)
         kept[pp_rank] = {name: param.numel() for name, param in model.named_parameters()}
+        for name, child in children.items():  # undo keep_stages: one build serves every pipeline rank
+            setattr(model, name, child)
+        model.layers.update(blocks)
     rows = []
-    for rank in range(layout.world_size):
+    for rank in ranks:
         c = layout.coords(rank)
         held = sorted(i for s in stages.stages_of(c["pp"]) for i in split[s])
         total = 0
@@ -101,9 +131,13 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
         table.add_column(name, justify="right", min_width=len(name))
     table.add_column("layers")
     table.add_column("params", justify="right")
-    for row in rank_rows(run):
+    ranks = shown_ranks(run.layout)
+    for row in rank_rows(run, ranks):
         table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in DIM_NAMES), spans(row.layers), f"{row.params:,}")
     console.print(table)
+    if len(ranks) < run.world_size:
+        console.print(f"{run.world_size - len(ranks):,} more ranks not shown: each holds what the rank with its pp, cp "
+                      "and tp coordinates and data-parallel coordinates 0 holds")
     if m.parallel.pp > 1:
         from trainer.parallel.pipeline.balance import stage_counts
 

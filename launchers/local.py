@@ -11,7 +11,7 @@ the run agree. No shell string is ever built from manifest values.
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -31,31 +31,30 @@ def write_resolved(run: Resolved) -> Path:
     return path
 
 
-def torchrun_command(run: Resolved, manifest_path: Path) -> list[str]:
+def torchrun_command(run: Resolved, manifest_path: Path, launcher_pid: int | None = None) -> list[str]:
+    """torchrun's command line; `launcher_pid`: the `mantra run` process the ranks follow (launchers/supervise.py)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={run.world_size}",
         "--log-dir", str(run.run_dir / "logs"),
         "-m", "launchers.rank", str(manifest_path),
+        *(["--launcher-pid", str(launcher_pid)] if launcher_pid is not None else []),
     ]
 
 
 def run_local(run: Resolved) -> int:
-    """Train; returns the exit code: 0 done, REQUEUE_EXIT_CODE saved on a signal (start again to resume),
-    1 a rank failed."""
-    from trainer.preempt import REQUEUE_EXIT_CODE
-
+    """Train; returns the exit code: 0 done, 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 saved
+    on Ctrl-C (or aborted by a second one), 124 hung (trainer/watchdog.py), 1 a rank failed."""
     path = write_resolved(run)
     if run.world_size == 1:
         from launchers.rank import run_rank
 
-        run_rank(path)  # a requeue request leaves through SystemExit(REQUEUE_EXIT_CODE)
+        run_rank(path)  # a stop on a signal leaves through SystemExit(75 or 130) once its checkpoint is committed
         return 0
-    code = subprocess.call(torchrun_command(run, path))
-    if code != 0 and read_status(run.run_dir).get("state") == "requeue":
-        return REQUEUE_EXIT_CODE  # torchrun reports any non-zero rank as 1
-    return code
+    from launchers.supervise import supervise  # signals reach every rank; no rank outlives mantra
+
+    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size)
 
 
 def read_status(run_dir: Path) -> dict:

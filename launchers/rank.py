@@ -1,25 +1,35 @@
 """The entry point every rank runs (under torchrun, Slurm or in-process).
 
-    python -m launchers.rank runs/<name>/manifest.yaml
+    python -m launchers.rank runs/<name>/manifest.yaml [--launcher-pid PID]
 
 Rank 0 logs to the console; the other ranks log to <run dir>/logs/rank<N>.log.
 A failing rank's traceback is recorded for torchrun, which shows it and stops
 the other ranks.
+
+The signal handlers (trainer/preempt.py) go in before anything heavy is imported: a SIGTERM, SIGUSR1
+or Ctrl-C during imports, rendezvous or the model build is kept and honoured at the first step
+boundary, instead of killing the rank half-started. Nothing above `main` may import torch.
+
+`--launcher-pid` is given by `mantra run` (launchers/supervise.py), which watches over this rank:
+the rank leaves as soon as that process is gone, and a save-and-stop on a signal exits 0 with the
+reason in status.json, which mantra turns into its own exit code (torchrun calls any non-zero exit a
+failure and prints a report for it).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from trainer.preempt import INTERRUPT_EXIT_CODE, PreemptionFlag, StopRequested
 
-from trainer.dist import RankInfo
-from trainer.manifest import load_manifest
+log = logging.getLogger("launchers.rank")
 
 
-def setup_logging(info: RankInfo, run_dir: Path) -> None:
+def setup_logging(info, run_dir: Path) -> None:
+    """Rank 0 logs to stderr, the others to <run dir>/logs/rank<N>.log (`info`: a trainer.dist.RankInfo)."""
     fmt = "%(asctime)s %(levelname)s [rank%(rank)s] %(name)s: %(message)s"
     old_factory = logging.getLogRecordFactory()
 
@@ -38,21 +48,61 @@ def setup_logging(info: RankInfo, run_dir: Path) -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
-def run_rank(manifest_path: Path):
-    """Train this rank; returns trainer.loop.TrainResult (steps, final loss, run dir)."""
-    from trainer.loop import train
+def run_rank(manifest_path: Path, preempt: PreemptionFlag | None = None):
+    """Train this rank; returns trainer.loop.TrainResult (steps, final loss, run dir).
 
-    run, _ = load_manifest(manifest_path)
-    info = RankInfo.from_env()
-    setup_logging(info, run.run_dir)
-    return train(run, info)
+    A stop on a signal leaves through trainer.preempt.StopRequested (a SystemExit: 75 or 130) after
+    its checkpoint is committed. `preempt`: handlers already installed by the caller; without it they
+    are installed first thing here and removed at the end."""
+    own = preempt is None
+    preempt = PreemptionFlag().install() if own else preempt
+    try:
+        from trainer.dist import RankInfo
+        from trainer.loop import train
+        from trainer.manifest import load_manifest
+
+        run, _ = load_manifest(manifest_path)
+        info = RankInfo.from_env()
+        setup_logging(info, run.run_dir)
+        try:
+            return train(run, info, preempt=preempt)
+        except StopRequested as stop:
+            if info.is_rank0:
+                log.info("%s at step %d: checkpoint committed; exit %d", stop.state, stop.step, stop.exit_code)
+            raise
+    finally:
+        if own:
+            preempt.uninstall()
 
 
-@record
-def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m launchers.rank MANIFEST")
-    run_rank(Path(sys.argv[1]))
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launchers.rank", description="Train one rank of a manifest.")
+    parser.add_argument("manifest", type=Path, help="the resolved manifest (runs/<name>/manifest.yaml)")
+    parser.add_argument("--launcher-pid", type=int, metavar="PID",
+                        help="the `mantra run` process: leave when it is gone, report a stop through status.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    preempt = PreemptionFlag().install()  # first of all: see the module docstring
+    args = parse_args(argv)
+    supervised = args.launcher_pid is not None
+    if supervised:
+        from launchers.supervise import start_lifeline
+
+        preempt.announce = False  # mantra says it once for the job
+        start_lifeline(args.launcher_pid)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
+        record(run_rank)(args.manifest, preempt)
+    except StopRequested:
+        if supervised:
+            sys.exit(0)  # status.json says requeue / interrupted; mantra exits 75 / 130
+        raise
+    except KeyboardInterrupt as exc:  # a second Ctrl-C sent to this rank itself: no traceback
+        log.warning("%s", exc or "interrupted")
+        sys.exit(INTERRUPT_EXIT_CODE)
 
 
 if __name__ == "__main__":

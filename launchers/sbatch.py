@@ -224,6 +224,10 @@ def run_task(manifest_path: str) -> dict:
     from trainer.preempt import REQUEUE_EXIT_CODE
 
     logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
+    if int(os.environ["RANK"]) == 0:  # one run per directory while the job runs (launchers/rundir.py)
+        from launchers.rundir import RunLock
+
+        lock = RunLock(Path(manifest_path).parent)  # noqa: F841 - held until this task's process ends
     with held_signals():
         try:
             result = run_rank(Path(manifest_path))

@@ -203,6 +203,10 @@ def submit(runs: list[Resolved], base_dir: Path) -> list[Submitted]:
         for d in created:
             shutil.rmtree(d, ignore_errors=True)
         raise SlurmError(rejection(str(exc), runs), 2) from None
+    from launchers.rundir import record_fingerprint
+
+    for run in runs:  # what the next submission into these run directories is checked against
+        record_fingerprint(run)
     ntasks = runs[0].world_size
     return [Submitted(str(job.job_id), run, folder, ntasks, job) for job, run in zip(jobs, runs)]
 
@@ -228,16 +232,38 @@ def describe(subs: list[Submitted], out: TextIO) -> None:
           file=out)
 
 
-def submit_manifests(manifests: list[str], overrides: list[str], sweeps: list[str], wait: bool) -> int:
+def submit_manifests(manifests: list[str], overrides: list[str], sweeps: list[str], wait: bool,
+                     fresh: bool = False) -> int:
     """`mantra submit`: 0 submitted (or, with wait, every job completed), 1 a job failed; raises
     ManifestError (exit 2) before anything is submitted, SlurmError for Slurm's refusals."""
     runs, base_dir, warnings = load_runs(manifests, overrides, sweeps)
     for d in warnings:
         print(d.render(), file=sys.stderr)
+    runs = [run for run in runs if not already_complete(run, fresh)]
+    if not runs:
+        return 0
     subs = submit(runs, base_dir)
     describe(subs, sys.stdout)
     sys.stdout.flush()
     return wait_for(subs) if wait else 0
+
+
+def already_complete(run: Resolved, fresh: bool) -> bool:
+    """The run directory checks of `mantra run` (launchers/rundir.py) before anything is queued: a
+    directory in use or holding another model's run is refused (exit 2); a completed run is not sent again."""
+    from launchers.rundir import RunDirError, check_run_dir
+
+    try:
+        claim = check_run_dir(run, fresh)
+    except RunDirError as exc:
+        raise SlurmError(str(exc), 2) from None
+    if claim.moved_to is not None:
+        print(f"--fresh: the earlier run in {run.run_dir} was moved to {claim.moved_to}", file=sys.stderr)
+    if claim.complete_step is None:
+        return False
+    print(f"{run.manifest.name}: already complete (step {claim.complete_step}); not submitted "
+          "(raise train.steps to continue it, or --fresh to start anew)")
+    return True
 
 
 def print_sbatch_script(run: Resolved, out: TextIO = sys.stdout) -> None:

@@ -38,11 +38,24 @@ def mantra_run(path: Path, nproc: int, *extra: str) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps in metrics.jsonl so far; a line still being written is not one yet."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return out
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-        if rows and rows[-1]["step"] >= step:
+        steps = logged_steps(run_dir)
+        if steps and steps[-1] >= step:
             return
         assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-2000:]}"
         time.sleep(0.02)
@@ -97,7 +110,8 @@ def kill_and_resume(tmp_path: Path, nproc: int, settings: dict) -> dict[int, flo
     again = mantra_run(path, nproc)
     assert again.returncode == 0, again.stderr[-3000:]
     got = last_per_step(tmp_path / "killed")
-    assert sorted(got) == list(range(1, 41))
+    # each step once: the rows the killed run logged past its checkpoint were dropped on resume
+    assert [r["step"] for r in read_jsonl(tmp_path / "killed/metrics.jsonl")] == list(range(1, 41))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-6), step
     return expected
@@ -122,9 +136,9 @@ def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
     again = start(path, 2)
     wait_for_step(tmp_path / "victim", int(latest[5:]) + 12, again)
     kill_group(again)
+    assert f"resuming from {tmp_path / 'victim/ckpt' / latest}" in again.stderr.read()
     steps = [r["step"] for r in read_jsonl(tmp_path / "victim/metrics.jsonl")]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[restart] == int(latest[5:]) + 1, steps
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= int(latest[5:]) + 12, steps
 
 
 def test_a_rank_that_raises_brings_the_job_down_with_its_traceback(tmp_path):
@@ -153,15 +167,16 @@ def test_half_written_and_corrupt_checkpoints_fall_back(tmp_path):
     # the newest committed one is corrupt
     shard = next((ckpt / "step-00000030").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = mantra_run(path, 1, "--set", "train.steps=30")
+    # started again with more steps (a completed run is otherwise not trained again); the loss of the
+    # first step after the checkpoint does not depend on the longer LR schedule yet
+    proc = mantra_run(path, 1, "--set", "train.steps=40")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step-00000040 has no COMMITTED marker" in proc.stderr
     assert "step-00000030 cannot be loaded" in proc.stderr
     assert f"{shard} is truncated" in proc.stderr  # the line names the file
     rows = read_jsonl(tmp_path / "run/metrics.jsonl")
-    assert [r["step"] for r in rows][-10:] == list(range(21, 31))  # resumed from step 20
-    for r in rows[-10:]:
-        assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6)
+    assert [r["step"] for r in rows] == list(range(1, 41))  # resumed from step 20, each step once
+    assert rows[20]["loss"] == pytest.approx(expected[21], rel=1e-6)
 
 
 def test_sigusr1_saves_at_the_next_step_and_asks_for_requeue(tmp_path):

@@ -64,12 +64,20 @@ def test_data_error_found_at_run_time_exits_2(tiny_manifest, tmp_path):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_internal_error_exits_1_with_traceback(tiny_manifest, tmp_path, nproc):
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the run directory should go")
-    proc = mantra("run", str(tiny_manifest("crash")), "--nproc", str(nproc), "--set", f"logging.dir={blocker}")
+    run_dir = tmp_path / "crash"
+    (run_dir / "status.json").mkdir(parents=True)  # rank 0 cannot write its status: not the user's mistake
+    proc = mantra("run", str(tiny_manifest("crash")), "--nproc", str(nproc))
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" in proc.stderr or "traceback" in proc.stderr
-    assert "not-a-dir" in proc.stderr
+    assert "status.json" in proc.stderr
+
+
+def test_a_run_directory_that_is_a_file_is_bad_input(tiny_manifest, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the run directory should go")
+    proc = mantra("run", str(tiny_manifest("crash")), "--set", f"logging.dir={blocker}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "not-a-dir: cannot write the run directory" in proc.stderr
 
 
 @pytest.mark.slow
@@ -126,3 +134,14 @@ def test_dry_run_counts_the_tied_heads_embedding_copy():
             "parallel.pp=2", "launcher.nproc=2", "train.micro_batch=4", f"model.tie_embeddings={str(tied).lower()}"])
         counts[tied] = [row.params for row in rank_rows(run)]
     assert counts[True] == counts[False] and counts[True][1] > 256 * 256
+
+
+def test_dry_run_of_a_huge_world_shows_dp_rank_zeros_only(tmp_path):
+    """65,536 nodes x 1,024 tasks: 2^26 ranks. Rows for the data-parallel rank 0s (pp x tp = 16),
+    a line for the rest; before, it tried to print 67 million rows."""
+    proc = mantra("dry-run", "manifests/tiny-cpu.yaml", "--set", "launcher.kind=slurm", "--set", "launcher.slurm.nodes=65536",
+                  "--set", "launcher.slurm.gpus_per_node=1024", "--set", "train.global_batch=null", "--set", "parallel.tp=4",
+                  "--set", "parallel.pp=4", "--set", f"logging.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "67,108,848 more ranks not shown" in proc.stdout
+    assert "rank16777216" in proc.stdout.replace("\n", "") or "16777216" in proc.stdout  # pp rank 1's first row

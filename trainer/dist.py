@@ -42,8 +42,12 @@ def pick_device(info: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(info: RankInfo, device: torch.device, timeout_s: int = 300) -> None:
-    """Join the process group (nccl on GPU, gloo on CPU) when there is more than one rank."""
+def init_distributed(info: RankInfo, device: torch.device, timeout_s: float = 300) -> None:
+    """Join the process group (nccl on GPU, gloo on CPU) when there is more than one rank.
+
+    `timeout_s` bounds every collective of the group (and the rendezvous): the loop passes
+    train.hang_timeout_s plus a grace (trainer/watchdog.py), so a stuck peer ends the job in that
+    time rather than the backend's default (gloo: 300 s; nccl: 10 min)."""
     if info.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -29,12 +29,14 @@ from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Precision
 from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
 from trainer.models import get_model_spec
+from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
 from trainer.optim import build_lr_schedule
 from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
-from trainer.preempt import PreemptionFlag, RequeueRequested
+from trainer.preempt import PreemptionFlag, StopRequested
+from trainer.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,11 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
     return total / len(microbatches)
 
 
-def train(run: Resolved, info: RankInfo | None = None, on_finish=None) -> TrainResult:
+def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
+          preempt: PreemptionFlag | None = None) -> TrainResult:
     """Train on this rank. `on_finish(model, sync)`, if given, runs on every rank after the last step
-    (tests use it to gather the final parameters) before the process group closes."""
+    (tests use it to gather the final parameters) before the process group closes. `preempt`: the signal
+    handlers launchers/rank.py installed before its imports; without it they are installed here."""
     info = info or RankInfo.from_env()
     if info.world_size != run.world_size:
         raise RuntimeError(
@@ -95,14 +99,20 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None) -> TrainR
             "start it with `mantra run`, which sets both"
         )
     device = pick_device(info)
-    init_distributed(info, device)
-    try:
-        return _train(run, info, device, on_finish)
-    finally:
-        shutdown_distributed()
+
+    def hung(step: int | None, why: str) -> None:  # any rank that sees the hang says so
+        RunStatus(run.run_dir, True).write("hung", step, why)
+
+    with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/watchdog.py
+        init_distributed(info, device, watchdog.collective_timeout_s)
+        try:
+            return _train(run, info, device, on_finish, watchdog, preempt)
+        finally:
+            shutdown_distributed()
 
 
-def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> TrainResult:
+def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watchdog: HangWatchdog,
+           preempt: PreemptionFlag | None) -> TrainResult:
     m = run.manifest
     layout = run.layout
     mesh = build_mesh(layout, device)
@@ -117,7 +127,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
         microbatches=run.batch.microbatches, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
     )
     manifest_text = dump_manifest(m)
-    ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device)
+    ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device, verify=m.checkpoint.verify, model=model, sync=sync)
     resumed = ckpt.load_latest(m.checkpoint.resume_from, sync, model, lr_schedule, loader)
     first = resumed.step + 1 if resumed else 1
     if resumed and info.is_rank0:
@@ -126,14 +136,17 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
     status.write("running", first - 1)
     meter = Meter(run, device, mesh, pipeline)
     autocast = autocast_for(run, device)
-    preempt = PreemptionFlag().install()
+    own_flag = preempt is None
+    preempt = PreemptionFlag().install() if own_flag else preempt  # a signal since start-up is kept
+    guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
     loss = torch.zeros(())
 
     try:
         with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                          config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
-                         resume=resumed is not None) as sinks:
+                         resume_step=resumed.step if resumed else None) as sinks:
             for step in range(first, m.train.steps + 1):
+                watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
                 microbatches = loader.microbatches(step - 1)
                 if pipeline is not None:  # the schedule's actions over the pipeline ranks
@@ -142,32 +155,47 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish) -> Tr
                     loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum)
                 grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
                 lr = sync.optimizer.param_groups[0]["lr"]
-                sync.step()
+                loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
+                # one tiny CPU all-reduce: any rank's signal (stop after this step) and non-finite verdict
+                stop, nonfinite = preempt.agreed(nonfinite=not finite(loss_f, norm_f))
+                if guard.admit(step, nonfinite, loss_f, norm_f):  # every rank decides alike
+                    sync.step()
+                else:
+                    sync.skip_step()
                 lr_schedule.step()
                 meter.stop()
                 sinks.advance(step, None)
                 if step % m.logging.every == 0 or step == m.train.steps:
-                    sinks.log(meter.metrics(step, loss, grad_norm, lr))
+                    sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped})
 
                 every = m.checkpoint.every
                 saved = bool(every) and (step % every == 0 or step == m.train.steps)
                 if saved:
+                    watchdog.beat(step, "checkpoint save")
                     ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)
                 ckpt.poll()
-                if step < m.train.steps and preempt.agreed():
+                if step < m.train.steps and stop:  # SIGTERM/USR1: requeue; SIGINT: stop
+                    watchdog.beat(step, "checkpoint save")
                     if not saved:
                         ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
                     ckpt.wait()
-                    status.write("requeue", step)
-                    raise RequeueRequested(step)
+                    status.write(stop.state, step)
+                    raise stop(step)
+            watchdog.beat(m.train.steps, "last checkpoint save")
             ckpt.wait()
-    except RequeueRequested:
+    except StopRequested:
+        raise
+    except NonFiniteStop as exc:
+        log.error("%s; nothing saved after it (the last committed checkpoint is kept)", exc)
+        ckpt.wait()  # a save still in flight holds an earlier, finite state
+        status.write("failed", exc.step, str(exc))
         raise
     except BaseException as exc:
         status.write("failed", None, f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        preempt.uninstall()
+        if own_flag:
+            preempt.uninstall()
     status.write("completed", m.train.steps)
     if on_finish is not None:
         on_finish(model, sync)
@@ -215,7 +243,8 @@ class Meter:
 
 
 class RunStatus:
-    """<run dir>/status.json, written by rank 0: running | completed | requeue | failed, and the step.
+    """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
+    step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py).
 
     Launchers read it where the scheduler cannot tell (torchrun's exit code, Slurm without sacct)."""
 
@@ -226,7 +255,15 @@ class RunStatus:
     def write(self, state: str, step: int | None, error: str | None = None) -> None:
         if not self.enabled:
             return
+        if state != "running" and self.read().get("state") == "hung":
+            return  # peers of a hung rank fail when it leaves: the hang is the news, not what it caused
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")  # any rank may write `hung`
         tmp.write_text(json.dumps({"state": state, "step": step, "error": error, "time": time.time()}) + "\n")
         os.replace(tmp, self.path)
+
+    def read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}

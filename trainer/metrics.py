@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 # busy_s / idle_s: seconds per step the worst pipeline rank computed / waited; bubble: its idle fraction
-# of the pipelined forward-backward (null without pipeline parallelism)
+# of the pipelined forward-backward (null without pipeline parallelism); skipped_steps: updates dropped
+# so far for a non-finite loss or gradient norm (train.on_nonfinite: skip)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble")
+               "busy_s", "idle_s", "bubble", "skipped_steps")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -121,7 +123,8 @@ class ConsoleSink:
             f"{num('tokens_per_s', ',.0f')} tok/s",
             f"mfu {self._mfu_na if m['mfu'] is None else format(m['mfu'], '.1%')}",
             f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}", f"{num('step_time_s', '.3f')} s/step",
-        ] + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"]))
+        ] + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
+          + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else []))
 
     def log(self, metrics: dict[str, Any]) -> None:
         line = self.format(metrics)
@@ -137,31 +140,57 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """<run_dir>/metrics.jsonl: one object per logged step, flushed at once; a fresh run starts
-    the file anew, a resumed one appends."""
+    """<run_dir>/metrics.jsonl: one object per logged step, flushed at once.
+
+    A fresh run starts the file anew. A resumed run first keeps only the rows up to the step it
+    resumed from (the steps after it are trained again, so each step appears once) and drops a line
+    torn by a kill; the kept rows are written to a new file that replaces the old one atomically."""
     name = "jsonl"
 
-    def __init__(self, run_dir: Path, append: bool = False) -> None:
-        self._file = (run_dir / "metrics.jsonl").open("a" if append else "w", encoding="utf-8")
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+        path = run_dir / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            kept = [line for line in _rows(path) if line[0] <= resume_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(text + "\n" for _, text in kept), encoding="utf-8")
+            os.replace(tmp, path)
+        self._file = path.open("w" if resume_step is None else "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
+        """NaN and inf (a skipped non-finite step) are written as null: every line stays valid JSON."""
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
+def _rows(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every complete JSON row of a metrics file; anything else is dropped."""
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int):
+            rows.append((step, line))
+    return rows
+
+
 class TensorBoardSink:
-    """Scalars `train/<key>` at global_step=step in <run_dir>/tensorboard."""
+    """Scalars `train/<key>` at global_step=step in <run_dir>/tensorboard. A resumed run purges the
+    events after the step it resumed from (TensorBoard's purge_step), so each step shows once."""
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise _missing("tensorboard") from err
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
@@ -173,10 +202,14 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A W&B run in <run_dir>/wandb: name, project, entity, mode, tags, and the manifest as config."""
+    """A W&B run in <run_dir>/wandb: name, project, entity, mode, tags, and the manifest as config.
+
+    The run id is kept in <run_dir>/wandb/run-id: a run that resumes from a checkpoint (a restart, a
+    requeued Slurm job) continues that W&B run instead of opening a new one; a run that starts from
+    step 1 gets a new id."""
     name = "wandb"
 
-    def __init__(self, section: Any, run_dir: Path, run_name: str, config: dict[str, Any]) -> None:
+    def __init__(self, section: Any, run_dir: Path, run_name: str, config: dict[str, Any], resume: bool = False) -> None:
         try:
             import wandb
         except ImportError as err:
@@ -194,6 +227,7 @@ class WandbSink:
             self._run = wandb.init(
                 project=section.project, entity=section.entity, name=run_name, mode=mode, dir=str(run_dir),
                 tags=list(section.tags) or None, config=json.loads(json.dumps(config, default=str)), settings=settings,
+                id=_wandb_run_id(root, keep=resume), resume="allow",
             )
         except Exception as err:
             raise RuntimeError(f"logging.wandb: wandb.init failed (mode={mode}): {err}; for online mode run "
@@ -211,6 +245,24 @@ class WandbSink:
         import wandb
         self._run.finish()
         wandb.teardown()
+
+
+def _wandb_run_id(root: Path, keep: bool) -> str:
+    """The W&B run id recorded in the run directory when `keep`, else a new one (8 random base-36
+    characters, W&B's form), recorded for the next start."""
+    import secrets
+    import string
+
+    path = root / "run-id"
+    if keep and path.exists():
+        saved = path.read_text(encoding="utf-8").strip()
+        if saved and len(saved) <= 64 and all(c.isalnum() or c in "-_" for c in saved):
+            return saved
+    root.mkdir(parents=True, exist_ok=True)
+    alphabet = string.ascii_lowercase + string.digits
+    run_id = "".join(secrets.choice(alphabet) for _ in range(8))
+    path.write_text(run_id + "\n", encoding="utf-8")
+    return run_id
 
 
 class Sinks:
@@ -233,7 +285,7 @@ class Sinks:
         if set(metrics) != set(METRIC_KEYS):
             missing, unknown = sorted(set(METRIC_KEYS) - set(metrics)), sorted(set(metrics) - set(METRIC_KEYS))
             raise ValueError(f"metrics must have exactly {METRIC_KEYS}; missing {missing}, unknown {unknown}")
-        cast = {k: int if k in ("step", "peak_mem_bytes") else float for k in METRIC_KEYS}  # no tensors in sinks
+        cast = {k: int if k in ("step", "peak_mem_bytes", "skipped_steps") else float for k in METRIC_KEYS}  # no tensors in sinks
         clean = {k: None if metrics[k] is None else cast[k](metrics[k]) for k in METRIC_KEYS}
         for sink in self.sinks:
             try:
@@ -270,17 +322,19 @@ class Sinks:
 
 def build_sinks(
     logging_cfg: Any, *, run_dir: Path, run_name: str, total_steps: int, config: dict[str, Any],
-    is_rank0: bool, device_type: str | None = None, resume: bool = False,
+    is_rank0: bool, device_type: str | None = None, resume_step: int | None = None,
 ) -> Sinks:
     """The sinks named in logging.sinks, on rank 0 only (other ranks get an empty, silent Sinks).
+    `resume_step`: the step a resumed run continues after (None for a fresh run): the file sinks drop
+    what they hold past it, so each step is reported once.
     wandb with mode disabled is not built (the package need not be installed). `device_type`
     ("cpu" | "cuda") only words the console's "mfu n/a" note; guessed when omitted."""
     if not is_rank0:
         return Sinks([], every=logging_cfg.every, total_steps=total_steps)
     run_dir, built = Path(run_dir), []
-    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir, append=resume),
-              "tensorboard": lambda: TensorBoardSink(run_dir),
-              "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config)}
+    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir, resume_step),
+              "tensorboard": lambda: TensorBoardSink(run_dir, resume_step),
+              "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config, resume=resume_step is not None)}
     wandb_off = getattr(logging_cfg.wandb.mode, "value", logging_cfg.wandb.mode) == "disabled"
     try:
         for name in dict.fromkeys(getattr(s, "value", s) for s in logging_cfg.sinks):
