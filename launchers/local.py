@@ -58,8 +58,9 @@ def run_local(run: Resolved) -> int:
 
 
 def read_status(run_dir: Path) -> dict:
-    """The run's own status file (trainer.loop.RunStatus); {} when there is none."""
+    """The run's own status file (trainer.loop.RunStatus); {} when there is none or it is not a mapping."""
     try:
-        return json.loads((run_dir / "status.json").read_text())
+        status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         return {}
+    return status if isinstance(status, dict) else {}

@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from launchers.local import read_status
 from trainer.manifest import Resolved
 from trainer.manifest.schema import DataSource
 
@@ -168,7 +169,7 @@ def claim_run_dir(run: Resolved, fresh: bool = False) -> Claim:
                               f"use the manifest it was started with, or start anew with --fresh (the old run is "
                               f"moved aside, not deleted)")
         record_fingerprint(run, new)
-        status = _read_json(run_dir / "status.json") or {}
+        status = read_status(run_dir)
         done = status.get("step") if status.get("state") == "completed" else None
         complete = done if isinstance(done, int) and done >= run.manifest.train.steps else None
         return Claim(lock, complete, moved)
