@@ -48,9 +48,10 @@ def _load(args: argparse.Namespace) -> Resolved:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     bad = 0
+    overrides = list(args.set or []) + ([f"launcher.nproc={args.nproc}"] if args.nproc is not None else [])
     for path in args.manifests:
         try:
-            run, warnings = load_manifest(path, list(args.set or []))
+            run, warnings = load_manifest(path, overrides)
         except ManifestError as exc:
             _print(exc.diagnostics + exc.warnings)
             bad += 1
@@ -171,8 +172,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    """The installed package's version (no torch import: `mantra --version` works on a login node)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mantra")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
+    parser.add_argument("--version", action="version", version=f"mantra {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_manifest(p: argparse.ArgumentParser, many: bool = False) -> None:
@@ -185,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
     with_manifest(p, many=True)
+    p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")

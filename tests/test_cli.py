@@ -145,3 +145,13 @@ def test_dry_run_of_a_huge_world_shows_dp_rank_zeros_only(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "67,108,848 more ranks not shown" in proc.stdout
     assert "rank16777216" in proc.stdout.replace("\n", "") or "16777216" in proc.stdout  # pp rank 1's first row
+
+
+def test_version_and_validate_nproc(tiny_manifest):
+    proc = mantra("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == "mantra 0.1.0", proc.stdout + proc.stderr
+    path = str(tiny_manifest("v"))
+    ok = mantra("validate", path, "--nproc", "2")
+    assert ok.returncode == 0 and "world 2, dp 2" in ok.stdout, ok.stdout + ok.stderr
+    bad = mantra("validate", path, "--nproc", "3")  # global_batch 8 is not split over 3 data-parallel ranks
+    assert bad.returncode == 2 and "micro_batch·dp = 2·3" in bad.stderr, bad.stderr
