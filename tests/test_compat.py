@@ -33,9 +33,8 @@ def test_validate_and_plan_touch_no_private_torch_name():
         "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "print('TORCH', torch, 'RESOLVED', compat.RESOLVED)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "TORCH [] RESOLVED []" in proc.stdout, proc.stdout[-2000:]
+    out = python_output(code)
+    assert "TORCH [] RESOLVED []" in out, out[-2000:]
 
 
 def test_a_run_resolves_its_private_names_through_compat():
@@ -46,10 +45,15 @@ def test_a_run_resolves_its_private_names_through_compat():
         "apply_activation_checkpointing(blocks, 'selective', passes_per_backward=2); "
         "blocks['0'](torch.ones(2, 4, requires_grad=True)).sum().backward(); print('RESOLVED', compat.RESOLVED)"
     )
+    line = python_output(code).strip().splitlines()[-1]
+    assert "torch.utils.checkpoint._CachedTorchDispatchMode" in line and "checkpoint_wrapper" in line, line
+
+
+def python_output(code: str) -> str:
+    """stdout of `code` run in a fresh interpreter (a clean sys.modules) from the repo root; it must succeed."""
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    assert "torch.utils.checkpoint._CachedTorchDispatchMode" in line and "checkpoint_wrapper" in line, line
+    return proc.stdout
 
 
 INTERNALS = {"_flatten", "_unflatten", "_state_ctx", "_fsdp_param_group", "_fsdp_param_groups",
