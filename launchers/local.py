@@ -10,7 +10,6 @@ the run agree. No shell string is ever built from manifest values.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -55,12 +54,3 @@ def run_local(run: Resolved) -> int:
     from launchers.supervise import supervise  # signals reach every rank; no rank outlives mantra
 
     return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size)
-
-
-def read_status(run_dir: Path) -> dict:
-    """The run's own status file (trainer.loop.RunStatus); {} when there is none or it is not a mapping."""
-    try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}

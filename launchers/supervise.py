@@ -33,7 +33,6 @@ Slurm does not come through here: it signals every task itself, and run_task cal
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -43,6 +42,7 @@ import time
 from pathlib import Path
 
 from trainer.preempt import INTERRUPT_EXIT_CODE, Interrupted, PreemptionFlag, RequeueRequested
+from trainer.run_status import RunStatus, read_status
 from trainer.watchdog import HUNG_EXIT_CODE
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -196,17 +196,11 @@ class Supervisor:
         self.proc.wait()
 
     def _mark_aborted(self) -> None:
-        """status.json `failed`, in trainer.loop.RunStatus's format (importing torch for it would take seconds)."""
-        status = {"state": "failed", "step": self._status().get("step"), "time": time.time(),
-                  "error": "aborted by a second Ctrl-C; nothing saved after the last committed checkpoint"}
-        tmp = self.run_dir / f"status.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(status) + "\n")
-        os.replace(tmp, self.run_dir / "status.json")
+        RunStatus(self.run_dir, True).write("failed", self._status().get("step"),
+                                            "aborted by a second Ctrl-C; nothing saved after the last committed checkpoint")
 
     def _status(self) -> dict:
         """status.json as this run wrote it; {} while it holds an earlier run's."""
-        from launchers.local import read_status
-
         status = read_status(self.run_dir)
         return status if status.get("time", 0) >= self.started else {}
 

@@ -10,10 +10,7 @@ Every rank calls `train(resolved)`; the launcher decides how many there are.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
 from trainer.preempt import PreemptionFlag, StopRequested
+from trainer.run_status import RunStatus
 from trainer.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
@@ -240,30 +238,3 @@ class Meter:
         out |= self.pipeline.timing_metrics() if self.pipeline else {"busy_s": None, "idle_s": None, "bubble": None}
         self.window_time, self.window_steps = 0.0, 0
         return out
-
-
-class RunStatus:
-    """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
-    step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py).
-
-    Launchers read it where the scheduler cannot tell (torchrun's exit code, Slurm without sacct)."""
-
-    def __init__(self, run_dir: Path, is_rank0: bool):
-        self.path = run_dir / "status.json"
-        self.enabled = is_rank0
-
-    def write(self, state: str, step: int | None, error: str | None = None) -> None:
-        if not self.enabled:
-            return
-        if state != "running" and self.read().get("state") == "hung":
-            return  # peers of a hung rank fail when it leaves: the hang is the news, not what it caused
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")  # any rank may write `hung`
-        tmp.write_text(json.dumps({"state": state, "step": step, "error": error, "time": time.time()}) + "\n")
-        os.replace(tmp, self.path)
-
-    def read(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
