@@ -110,10 +110,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from launchers.plan import PlanInputError, run_plan
 
     try:
+        if args.against is not None:  # predicted vs measured, per rank
+            from launchers.plan_against import plan_against
+
+            return plan_against(args.manifest, list(args.set or []), args.against, gpu=args.gpu, gpu_mem=args.gpu_mem,
+                                as_json=args.json)
         return run_plan(args.manifest, list(args.set or []), gpu=args.gpu, gpu_mem=args.gpu_mem, as_json=args.json,
                         timeline=args.timeline, search=args.search, gpus=args.gpus, efficiency=args.efficiency)
     except PlanInputError as exc:
         raise BadInput(str(exc)) from None
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from launchers.runs import list_runs
+
+    return list_runs(args.dir, as_json=args.json)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from launchers.compare import compare_runs
+
+    return compare_runs(args.runs, plot=args.plot, metrics=list(args.metric or ["loss"]), x=args.x)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -223,7 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", action="store_true", help="list the five fastest layouts that fit, as --set lines")
     p.add_argument("--gpus", type=int, metavar="N", help="devices to search layouts for (with --search)")
     p.add_argument("--efficiency", type=float, metavar="F", help="achievable share of peak FLOP/s (default 0.5)")
+    p.add_argument("--against", type=Path, metavar="RUN_DIR",
+                   help="compare the predicted peak memory per rank with what RUN_DIR measured")
     p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("runs", help="a table of runs: state, step, loss, tokens/s, MFU, memory, age")
+    p.add_argument("dir", nargs="?", type=Path, default=Path("runs"), metavar="DIR",
+                   help="a run directory or a directory of them (default: runs)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run instead of the table")
+    p.set_defaults(fn=cmd_runs)
+
+    p = sub.add_parser("compare", help="plot loss (or any metric) of several runs or a sweep against step or tokens")
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN",
+                   help="run directories, or a directory holding a sweep (all its runs)")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="write the picture (.png or .svg)")
+    p.add_argument("--metric", action="append", metavar="KEY", help="a metric key to plot (repeatable; default loss)")
+    p.add_argument("--x", choices=["step", "tokens"], default="step", help="x axis (default step)")
+    p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("submit", help="submit to Slurm (one task per GPU); requeued and resumed when preempted")
     with_manifest(p, many=True)

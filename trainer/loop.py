@@ -164,10 +164,11 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 meter.stop()
                 sinks.advance(step, None)
                 if step % m.logging.every == 0 or step == m.train.steps:
-                    sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped})
+                    sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped,
+                                                                           "peak_tensor_bytes": None})
 
-                every = m.checkpoint.every
-                saved = bool(every) and (step % every == 0 or step == m.train.steps)
+                every, last = m.checkpoint.every, step == m.train.steps
+                saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
                 if saved:
                     watchdog.beat(step, "checkpoint save")
                     ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)

@@ -20,7 +20,7 @@ from typing import Any
 # of the pipelined forward-backward (null without pipeline parallelism); skipped_steps: updates dropped
 # so far for a non-finite loss or gradient norm (train.on_nonfinite: skip)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps")
+               "busy_s", "idle_s", "bubble", "skipped_steps", "peak_tensor_bytes")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -226,7 +226,7 @@ class WandbSink:
         try:
             self._run = wandb.init(
                 project=section.project, entity=section.entity, name=run_name, mode=mode, dir=str(run_dir),
-                tags=list(section.tags) or None, config=json.loads(json.dumps(config, default=str)), settings=settings,
+                tags=list(section.tags) or None, group=section.group, config=json.loads(json.dumps(config, default=str)), settings=settings,
                 id=_wandb_run_id(root, keep=resume), resume="allow",
             )
         except Exception as err:
@@ -285,7 +285,7 @@ class Sinks:
         if set(metrics) != set(METRIC_KEYS):
             missing, unknown = sorted(set(METRIC_KEYS) - set(metrics)), sorted(set(metrics) - set(METRIC_KEYS))
             raise ValueError(f"metrics must have exactly {METRIC_KEYS}; missing {missing}, unknown {unknown}")
-        cast = {k: int if k in ("step", "peak_mem_bytes", "skipped_steps") else float for k in METRIC_KEYS}  # no tensors in sinks
+        cast = {k: int if k in ("step", "peak_mem_bytes", "skipped_steps", "peak_tensor_bytes") else float for k in METRIC_KEYS}  # no tensors in sinks
         clean = {k: None if metrics[k] is None else cast[k](metrics[k]) for k in METRIC_KEYS}
         for sink in self.sinks:
             try:

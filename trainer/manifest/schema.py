@@ -116,6 +116,11 @@ class TokenDtype(str, enum.Enum):
     uint32 = "uint32"
 
 
+class MemoryTracking(str, enum.Enum):
+    off = "off"
+    tensors = "tensors"  # CPU: the peak of live tensor bytes (trainer/memtrack.py), reported as peak_tensor_bytes
+
+
 class Sink(str, enum.Enum):
     console = "console"
     jsonl = "jsonl"
@@ -261,6 +266,7 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="default: <run dir>/ckpt")
     every: NonNegativeInt = Field(0, description="save every N steps; 0 never", le=MAX_STEPS)
     keep: PositiveInt = Field(3, description="committed checkpoints to keep", le=MAX_KEEP)
+    final: bool = Field(True, description="save the last step's state when the run completes (export needs one)")
     async_save: bool = Field(False, description="write checkpoints in the background; training waits only for staging")
     resume_from: str | None = Field(
         None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
@@ -275,6 +281,7 @@ class WandbSection(Section):
     entity: str | None = None
     mode: WandbMode = WandbMode.offline
     tags: tuple[str, ...] = ()
+    group: str | None = Field(None, description="W&B run group; `mantra submit --sweep` sets it to the sweep's name")
 
 
 class LoggingSection(Section):
@@ -284,6 +291,10 @@ class LoggingSection(Section):
     wandb: WandbSection = WandbSection()
     peak_tflops: PositiveFloat | None = Field(
         None, description="peak TFLOP/s of one device for MFU; default from the device table"
+    )
+    memory: MemoryTracking = Field(
+        MemoryTracking.off, description="tensors: also track the peak of live tensor bytes (CPU; slower), as "
+        "peak_tensor_bytes"
     )
 
 
