@@ -65,7 +65,9 @@ def tiny_manifest(tmp_path):
 
 def mantra(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the real `mantra` command line in a fresh interpreter."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # this checkout's code, from any cwd (not whatever `pip install -e` last pointed at)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-m", "launchers.cli", *args],
         cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout, env=env,

@@ -8,7 +8,10 @@ import textwrap
 
 import pytest
 
+from conftest import ROOT
 from launchers.cli import main
+
+CORPUS = ROOT / "manifests/data/python-docs.txt"
 
 BASE = """\
 name: t
@@ -90,7 +93,7 @@ CASES = [
     ("unknown-model-kind", plus("").replace("model:\n", "model:\n  kind: lama\n"), [], "3:9", "model.kind", "did you mean 'llama'"),
     ("model-kv-heads", with_lines(l6="  kv_heads: 3"), [], "6:13", "model.kv_heads", ""),
     ("data-path-missing", with_lines(l15="  source: tokens\n  path: nowhere/train.bin"), [], "16:9", "data.path", "does not exist"),
-    ("text-vocab-too-small", with_lines(l8="  vocab: 100", l15="  source: text\n  path: manifests/data/python-docs.txt"), [], "14:1", "data.tokenizer", "256"),
+    ("text-vocab-too-small", with_lines(l8="  vocab: 100", l15=f"  source: text\n  path: {CORPUS}"), [], "14:1", "data.tokenizer", "256"),
     ("tp-vocab", with_lines(l8="  vocab: 257") + "parallel:\n  tp: 2\n", ["launcher.nproc=2"], "8:10", "model.vocab", "does not split over tp = 2"),
     ("tp-ffn", with_lines(l7="  ffn_dim: 130") + "parallel:\n  tp: 4\n  dp_replicate: 1\n", ["launcher.nproc=4", "model.kv_heads=4"], "7:12", "model.ffn_dim", "use a multiple of 4"),
     ("slurm-world-mismatch", plus("launcher:\n  kind: slurm\n  slurm: {nodes: 2, gpus_per_node: 4}\nparallel:\n  dp_replicate: 2\n  dp_shard: 1\n"), [], "19:1", "parallel", "the world size is 8 (launcher.slurm.nodes · gpus_per_node = 8)"),
@@ -103,7 +106,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_manifest(case, tmp_path, capsys, monkeypatch):
     name, text, overrides, where, field, words = case
-    monkeypatch.chdir(tmp_path.parent if "manifests/data" not in text else _repo_root())
+    monkeypatch.chdir(tmp_path.parent)
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     argv = ["validate", str(path)] + [a for o in overrides for a in ("--set", o)]
@@ -119,12 +122,6 @@ def test_bad_manifest(case, tmp_path, capsys, monkeypatch):
     assert matching, f"no line starts with {prefix!r}:\n{err}"
     assert words.lower() in matching[0].lower(), matching[0]
     assert "Traceback" not in err
-
-
-def _repo_root():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parents[1]
 
 
 def test_case_count():
@@ -160,6 +157,34 @@ def test_all_errors_reported_at_once(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len([line for line in err if ": error: " in line]) == 3, err
+
+
+def test_every_error_at_once_with_an_unknown_model_kind(tmp_path, capsys):
+    """Schema errors do not hide the cross-field ones: the model kind, tp and an unknown key together."""
+    path = tmp_path / "m.yaml"
+    path.write_text(BASE.replace("model:\n", "model:\n  kind: lama\n") + "parallel:\n  tp: 3\n  tensor_paralel: 2\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    for line in [f"{path}:3:9: error: model.kind: unknown model kind 'lama'; did you mean 'llama'?",
+                 f"{path}:18:7: error: parallel.tp: 3 does not divide model.heads (4)",
+                 f"{path}:19:3: error: parallel.tensor_paralel: unknown key"]:
+        assert line in err, err
+
+
+@pytest.mark.parametrize("text, overrides, only", [
+    # a misspelt key leaves its section's unwritten fields unknown: no "dp_shard shards nothing" for it
+    (plus("parallel:\n  optimizer_shardng: zero1\n  dp_shard: 2\n"), ["launcher.nproc=2"], "parallel.optimizer_shardng"),
+    # a rule that needs a rejected value says nothing (llama's head-dim check needs model.dim)
+    (with_lines(l3="  dim: -1"), [], "model.dim"),
+    # a default taking the place of a rejected value is not blamed (min_lr above the default lr)
+    (plus("optimizer:\n  lr: fast\n  min_lr: 0.1\n"), [], "optimizer.lr"),
+], ids=["misspelt-key", "rejected-required-value", "rejected-value-with-default"])
+def test_no_error_follows_from_a_rejected_value(text, overrides, only, tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path), *[a for o in overrides for a in ("--set", o)]]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and f": error: {only}: " in errors[0], errors
 
 
 def test_real_exit_code_and_no_traceback(tmp_path):

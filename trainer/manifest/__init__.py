@@ -4,7 +4,8 @@
     resolved, warnings = load_manifest("manifests/tiny-cpu.yaml", overrides=["train.steps=20"])
 
 Every problem is collected and raised at once as a ManifestError whose
-diagnostics render as `path:line:col: error: field: what is wrong; how to fix`.
+diagnostics render as `path:line:col: error: field: what is wrong; how to fix`:
+the schema's errors and the cross-field rules' together (partial.py).
 Torch-free: this runs on login nodes and in editors.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from trainer.manifest.errors import Diagnostic, Location, ManifestError
+from trainer.manifest.partial import set_aside
 from trainer.manifest.resolve import Resolved, resolve
 from trainer.manifest.rules import check
 from trainer.manifest.schema import Manifest
@@ -25,15 +27,24 @@ from trainer.manifest.validate import validate_schema
 __all__ = ["Diagnostic", "Location", "Manifest", "ManifestError", "Resolved", "load_manifest", "dump_manifest"]
 
 
-def load_manifest(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Resolved, list[Diagnostic]]:
-    """Load, override, validate and resolve; returns the resolved run and the warnings."""
+def load_manifest(
+    path: str | Path, overrides: Sequence[str] = (), *, data_files: bool = True
+) -> tuple[Resolved, list[Diagnostic]]:
+    """Load, override, validate and resolve; returns the resolved run and the warnings.
+
+    Relative paths written in the file are read against its directory, those in `overrides` against
+    the current one; both come back absolute. data_files=False (plan, dry-run: they read no data)
+    does not look at the files data.path and data.tokenizer name."""
     tree = load_source(path)
     for override in overrides:
         apply_override(tree, override)
     manifest, errors = validate_schema(tree)
-    if manifest is None:
+    if manifest is None:  # the rules still run on what is valid, so one invocation shows every error
+        partial = set_aside(tree)
+        if partial is not None:
+            errors += check(partial.manifest, tree, data_files=data_files, unknown=partial.unknown)
         raise ManifestError(errors)
-    diagnostics = check(manifest, tree)
+    diagnostics = check(manifest, tree, data_files=data_files)
     if any(d.severity == "error" for d in diagnostics):
         raise ManifestError(diagnostics)
     return resolve(manifest, str(path)), [d for d in diagnostics if d.severity == "warning"]

@@ -1,7 +1,9 @@
 """Cross-field rules: each a small function yielding findings that name the fields and the fix.
 
-A rule sees the schema-valid manifest and yields `Finding(field, message)`;
-`check()` turns findings into located diagnostics. Features that are declared
+A rule sees the schema-valid manifest (after schema errors, a view of it
+without the rejected fields: partial.py) and yields `Finding(field, message)`;
+`check()` turns findings into located diagnostics. A `file_rule` looks at the
+files the manifest names; plan and dry-run skip those. Features that are declared
 in the schema but not built yet fail here with "not supported yet", never deep
 inside a run: delete the line in `not_supported_yet` when the feature lands.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.manifest.errors import Diagnostic
+from trainer.manifest.partial import SetAside, View
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
 from trainer.manifest.schema import Manifest, Schedule, Sharding
 from trainer.manifest.source import SourceTree
@@ -27,10 +30,16 @@ class Finding:
 
 Rule = Callable[[Manifest], Iterator[Finding]]
 RULES: list[Rule] = []
+FILE_RULES: list[Rule] = []  # rules that look at files the manifest names: skipped by plan and dry-run
 
 
 def rule(fn: Rule) -> Rule:
     RULES.append(fn)
+    return fn
+
+
+def file_rule(fn: Rule) -> Rule:
+    FILE_RULES.append(fn)
     return fn
 
 
@@ -235,12 +244,32 @@ def model_plugin(m: Manifest) -> Iterator[Finding]:
         yield Finding(f"model.{field}", message)
 
 
+def _about_a_file(data, field: str) -> bool:
+    """Whether a data.`field` problem from check_data comes from looking at a file: a path that is set
+    (not a missing one), a tokenizer other than 'byte' (not the byte-vocab rule), the .bin's dtype."""
+    if field == "path":
+        return bool(data.path)
+    return field == "dtype" or (field == "tokenizer" and data.tokenizer != "byte")
+
+
 @rule
 def data_source(m: Manifest) -> Iterator[Finding]:
+    """What the data section says, without its files (plan and dry-run read none)."""
     from trainer.data import check_data
 
     for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
-        yield Finding(f"data.{field}", message)
+        if not _about_a_file(m.data, field):
+            yield Finding(f"data.{field}", message)
+
+
+@file_rule
+def data_files(m: Manifest) -> Iterator[Finding]:
+    """The data files themselves: there, readable, long enough (validate and run, which reads them)."""
+    from trainer.data import check_data
+
+    for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
+        if _about_a_file(m.data, field):
+            yield Finding(f"data.{field}", message)
 
 
 @rule
@@ -268,10 +297,20 @@ def _path(field: str) -> tuple[str, ...]:
     return tuple(field.split("."))
 
 
-def check(m: Manifest, tree: SourceTree) -> list[Diagnostic]:
-    """Run every rule; locate each finding at its field (or the nearest parent written)."""
+def check(
+    m: Manifest, tree: SourceTree, *, data_files: bool = True, unknown: frozenset = frozenset()
+) -> list[Diagnostic]:
+    """Run every rule; locate each finding at its field (or the nearest parent written).
+
+    data_files=False skips the rules that look at the files the manifest names (plan, dry-run).
+    `unknown`: fields the schema rejected (trainer/manifest/partial.py); a rule that reads one is
+    silent, since its answer would be about a value nobody wrote."""
+    view = View(m, unknown) if unknown else m
     out = []
-    for fn in RULES:
-        for f in fn(m):
-            out.append(Diagnostic(tree.locate(_path(f.field)), f.field, f.message, f.severity))
+    for fn in RULES + (FILE_RULES if data_files else []):
+        try:
+            for f in fn(view):
+                out.append(Diagnostic(tree.locate(_path(f.field)), f.field, f.message, f.severity))
+        except SetAside:
+            continue
     return out

@@ -4,6 +4,8 @@ Only PyYAML's safe composer is used (no tags, no Python objects). Duplicate
 keys, syntax errors, an empty file and a non-mapping document are diagnostics,
 not tracebacks. `--set a.b=value` overrides are parsed as YAML too and merged
 into the tree with their own location, so an error in one names the override.
+Relative paths become absolute as they are read: a file's against its own
+directory, an override's against the current one (trainer/manifest/paths.py).
 
 A manifest cannot exhaust memory or time: the file is at most MAX_BYTES, the
 document at most MAX_DEPTH levels deep and MAX_VALUES values, counted once as
@@ -20,6 +22,7 @@ from typing import Any
 import yaml
 
 from trainer.manifest.errors import Diagnostic, Location, ManifestError
+from trainer.manifest.paths import anchor_paths
 
 Path_ = tuple[str | int, ...]
 
@@ -163,7 +166,8 @@ def _compose(text: str, source: str) -> yaml.Node | None:
 
 
 def load_source(path: str | Path) -> SourceTree:
-    """Read a manifest file into a SourceTree; every problem is a ManifestError."""
+    """Read a manifest file into a SourceTree, its relative paths made absolute against the file's
+    directory; every problem is a ManifestError."""
     source = str(path)
     try:
         with open(path, "rb") as f:
@@ -176,7 +180,9 @@ def load_source(path: str | Path) -> SourceTree:
         raise ManifestError([Diagnostic(Location(source), "", "is a directory; give a .yaml manifest file")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError([Diagnostic(Location(source), "", f"cannot read the file ({exc}); check it is UTF-8 text")]) from None
-    return parse_source(text, source)
+    tree = parse_source(text, source)
+    anchor_paths(tree.data, Path(path).parent)
+    return tree
 
 
 def _check_size(data: bytes, source: str) -> None:
@@ -227,7 +233,8 @@ def _override_value(raw: str, where: Location, dotted: str) -> Any:
 
 
 def apply_override(tree: SourceTree, override: str) -> None:
-    """Merge one `section.key=value` into the tree; the value is read as YAML."""
+    """Merge one `section.key=value` into the tree; the value is read as YAML, a relative path in it
+    against the current directory."""
     where = Location(f"--set {override}")
     key, sep, raw = override.partition("=")
     parts = tuple(p for p in key.strip().split("."))
@@ -245,6 +252,7 @@ def apply_override(tree: SourceTree, override: str) -> None:
             raise ManifestError([Diagnostic(where, dotted, "is not a section; override one of its keys instead")])
         target = child
     target[parts[-1]] = value
+    anchor_paths(tree.data, Path.cwd(), under=parts)
     # The override's own location wins for this path and everything below it.
     for table in (tree.key_locations, tree.value_locations):
         for existing in [p for p in table if p[: len(parts)] == parts]:

@@ -14,7 +14,7 @@ from trainer.manifest.schema import Manifest
 from trainer.manifest.source import SourceTree
 
 
-def _section_class(path: tuple[str | int, ...]) -> type[BaseModel] | None:
+def section_class(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     """The pydantic class of the section at `path` (None when `path` is not a section)."""
     cls: type[BaseModel] = Manifest
     for part in path:
@@ -30,7 +30,7 @@ def _section_class(path: tuple[str | int, ...]) -> type[BaseModel] | None:
 
 
 def _field_type(path: tuple[str | int, ...]) -> Any:
-    parent = _section_class(path[:-1])
+    parent = section_class(path[:-1])
     if parent is None:
         return None
     info = parent.model_fields.get(str(path[-1]))
@@ -64,7 +64,7 @@ def _message(err: dict[str, Any], path: tuple[str | int, ...]) -> str:
     value = err.get("input")
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
-        parent = _section_class(path[:-1])
+        parent = section_class(path[:-1])
         allowed = sorted(parent.model_fields) if parent else []
         close = difflib.get_close_matches(str(path[-1]), allowed, n=1, cutoff=0.6)
         if close:
