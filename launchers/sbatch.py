@@ -10,9 +10,13 @@
   all ranks together and exits 75; `run_task` then leaves a requeue marker, and the batch script,
   still alive, runs `scontrol requeue`; the next allocation resumes from the checkpoint. submitit's
   own USR2 handler is not used: it checkpoints from task 0 alone, and every rank must save;
-- a batch shell that exits at SIGTERM (`trap 'exit 143' TERM`): Slurm sends SIGTERM when it cancels,
-  preempts or itself requeues the job, and then Slurm alone decides what comes next (a `scancel`
-  must never come back as a requeue; the ranks still save on the SIGTERM if the step ends in time);
+- a batch shell that exits at SIGTERM (`trap "rm -f <marker>; exit 143" TERM`): Slurm sends SIGTERM
+  when it cancels, preempts or itself requeues the job, and then Slurm alone decides what comes next
+  (a `scancel` must never come back as a requeue; the ranks still save on the SIGTERM if the step
+  ends in time). Both signals reach the trainer as the same save-and-exit-75, so `run_task` asks
+  slurmctld which one it was (`stop_cause`): the job still RUNNING is the USR1 warning (requeue
+  marker); a restart count above the task's own is Slurm requeueing it (status `requeue`, no
+  marker); otherwise the job is being cancelled and status.json says `cancelled`;
 - `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
 - `--requeue`, `--chdir` = the directory `mantra submit` ran in (relative manifest paths hold),
   setup lines before srun, and a pyxis/enroot container when launcher.slurm.container_image is set.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import sys
@@ -89,7 +94,7 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
     marker = shlex.quote(str(folder.resolve())) + "/" + REQUEUE_MARKER.format(job_id="${SLURM_JOB_ID}")
     setup = [
         "# Slurm sends SIGTERM when it cancels, preempts or requeues the job: then Slurm decides what follows",
-        "trap 'exit 143' TERM",
+        f'trap "rm -f {marker}; exit 143" TERM',
         f"rm -f {marker}",
         *s.setup,
     ]
@@ -212,10 +217,86 @@ def held_signals(signals=(signal.SIGUSR1, signal.SIGTERM)):
     yield
 
 
+# ---------------------------------------------------------------------------- why a rank was told to stop
+
+WARNED, REQUEUED, CANCELLED, TIMED_OUT, UNKNOWN = "warned", "requeued", "cancelled", "timed-out", "unknown"
+
+
+def stop_cause(scontrol_line: str, own_restarts: int) -> str:
+    """Why a rank that saved on SIGTERM/USR1 was stopped, from `scontrol show job -o` of its own job:
+
+    - WARNED: the job is still RUNNING: the USR1 sent signal_grace_s before the time limit (or by
+      `scancel --signal=USR1`); the batch script, still alive, must requeue the job itself;
+    - REQUEUED: Slurm already counts a restart beyond this task's own (`scontrol requeue`, a preemption
+      that requeues, a failed node): Slurm brings the job back;
+    - CANCELLED: the job is ending (COMPLETING or CANCELLED) with no restart ahead: `scancel`, or a
+      preemption that cancels; nothing brings it back;
+    - TIMED_OUT: ending at its time limit (the USR1 warning came too late to save before it): status
+      stays `requeue` (saved: submit again to resume), and no marker (the batch script is ending too);
+    - UNKNOWN: slurmctld did not answer.
+    While the ranks still run, scontrol says COMPLETING for a cancel and a requeue alike (measured on
+    Slurm 22.05): the restart count is what tells them apart."""
+    fields = dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", scontrol_line))
+    state = fields.get("JobState", "")
+    if not state:
+        return UNKNOWN
+    if state in ("RUNNING", "SUSPENDED"):
+        return WARNED
+    restarts = int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else own_restarts
+    if restarts > own_restarts or state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        return REQUEUED
+    run_s, limit_s = _seconds(fields.get("RunTime", "")), _seconds(fields.get("TimeLimit", ""))
+    if state == "TIMEOUT" or (run_s is not None and limit_s is not None and run_s >= limit_s):
+        return TIMED_OUT  # the limit passed before the USR1 save: saved, but nothing requeues it
+    return CANCELLED
+
+
+def _seconds(text: str) -> int | None:
+    """Slurm's [D-]HH:MM:SS (RunTime, TimeLimit) in seconds; None for UNLIMITED or anything else."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d+):(\d+)", text)
+    if not m:
+        return None
+    d, h, mi, sec = (int(g or 0) for g in m.groups())
+    return ((d * 24 + h) * 60 + mi) * 60 + sec
+
+
+def ask_stop_cause() -> str:
+    """`stop_cause` for this task's job, asking slurmctld (10 s at most: the kill grace is ~30 s)."""
+    import subprocess
+
+    own = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, KeyError, subprocess.TimeoutExpired):
+        return UNKNOWN
+    line = proc.stdout.splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+    return stop_cause(line, own)
+
+
+def after_requeue_exit(manifest_path: Path, rank: int) -> str:
+    """A rank saved and exits 75: leave the requeue marker only where the batch script must requeue
+    (the USR1 warning, or slurmctld silent); rank 0 turns status.json `requeue` into `cancelled` when
+    the job is being cancelled. Returns the cause."""
+    cause = ask_stop_cause()
+    if cause in (WARNED, UNKNOWN):
+        marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
+        marker.touch()
+    elif cause == CANCELLED and rank == 0:
+        from trainer.run_status import RunStatus
+
+        status = RunStatus(manifest_path.parent, is_rank0=True)
+        step = status.read().get("step")
+        status.write("cancelled", step if isinstance(step, int) else None,
+                     "cancelled by Slurm (scancel); saved at this step, not requeued")
+    return cause
+
+
 def run_task(manifest_path: str) -> dict:
     """What every Slurm task runs (submitit pickles this call): rendezvous variables from Slurm, then
     the rank entry point. A rank leaving to be requeued (exit 75 after a committed checkpoint) leaves a
-    marker for the batch script, which then runs `scontrol requeue`."""
+    marker for the batch script, which then runs `scontrol requeue`, unless Slurm is cancelling or
+    requeueing the job itself (`after_requeue_exit`)."""
     os.environ.update(rendezvous_env())
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))  # as torchrun does
     import logging
@@ -233,8 +314,7 @@ def run_task(manifest_path: str) -> dict:
             result = run_rank(Path(manifest_path))
         except SystemExit as exc:
             if exc.code == REQUEUE_EXIT_CODE:
-                marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
-                marker.touch()
+                after_requeue_exit(Path(manifest_path), int(os.environ["RANK"]))
             raise
     out: dict = {"rank": int(os.environ["RANK"])}
     if result is not None:  # run_rank returns train()'s TrainResult

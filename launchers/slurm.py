@@ -3,6 +3,11 @@
     mantra submit manifests/llama-1b.yaml                          # prints the job id, logs, run dir; returns
     mantra submit manifests/llama-1b.yaml --wait                   # streams rank 0's log, exits with the job's status
     mantra submit manifests/tiny-cpu.yaml --sweep train.seed=0,1   # one job array, one run dir per element
+    mantra compare runs/tiny-cpu-sweep --plot sweep.png            # the sweep's runs, one line each
+
+A sweep is one W&B group (logging.wandb.group = <name>-sweep unless the manifest names one) and one
+record, <run dir>-sweep/sweep.json (its run directories and job array), which `mantra compare` expands.
+Each run directory gets slurm.json (its job id), which `mantra runs` asks Slurm about.
 
 The manifest is validated first (a bad one never reaches the queue) and its resolved form is
 written into the run directory; every task runs `run_task` on that file, which derives torch's
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import secrets
 import shutil
@@ -27,6 +33,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from launchers.compare import SWEEP_RECORD
+from launchers.runs import SLURM_RECORD
 from launchers.sbatch import BadRequest, python_for, run_task, sbatch_parameters, sbatch_script
 from launchers.slurm_follow import rank0_logs, wait_for
 from launchers.sweep import parse_sweeps
@@ -95,6 +103,8 @@ def load_runs(manifests: list[str], overrides: list[str], sweeps: list[str]) -> 
         m = base.manifest
         for point in points:  # each point gets its own name, run dir and (if named) checkpoint dir
             rename = [f"name={json.dumps(m.name + point.suffix)}"]
+            if m.logging.wandb.group is None:  # the sweep is one W&B group unless the user named one
+                rename.append(f"logging.wandb.group={json.dumps(sweep_name(base))}")
             if m.logging.dir:
                 rename.append(f"logging.dir={json.dumps(m.logging.dir + point.suffix)}")
             if m.checkpoint.dir:
@@ -111,6 +121,16 @@ def load_runs(manifests: list[str], overrides: list[str], sweeps: list[str]) -> 
     if errors:
         raise ManifestError(list({d.render(): d for d in errors}.values()) + unique)
     return runs, base_dir, unique
+
+
+def sweep_name(base: Resolved) -> str:
+    """A sweep's name (its W&B group, unless the manifest sets logging.wandb.group): <name>-sweep."""
+    return base.manifest.logging.wandb.group or f"{base.manifest.name}-sweep"
+
+
+def sweep_dir(base_dir: Path) -> Path:
+    """Where a sweep's record goes: beside its runs, runs/<name>-sweep (for runs/<name>-<point>)."""
+    return base_dir.with_name(base_dir.name + "-sweep")
 
 
 def check_one_request(runs: list[Resolved]) -> None:
@@ -211,6 +231,38 @@ def submit(runs: list[Resolved], base_dir: Path) -> list[Submitted]:
     return [Submitted(str(job.job_id), run, folder, ntasks, job) for job, run in zip(jobs, runs)]
 
 
+# ---------------------------------------------------------------------------- what stays on disk
+
+def _write_json(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def record_jobs(subs: list[Submitted]) -> None:
+    """<run dir>/slurm.json: the job that runs it, so `mantra runs` can ask Slurm whether it is alive."""
+    stamp = datetime.now().isoformat(timespec="seconds")
+    for sub in subs:
+        _write_json(sub.run.run_dir / SLURM_RECORD, {"job_id": sub.job_id, "folder": str(sub.folder), "submitted": stamp})
+
+
+def record_sweep(runs: list[Resolved], subs: list[Submitted], base_dir: Path, sweeps: list[str]) -> Path:
+    """<base run dir>-sweep/sweep.json: every run of the sweep (those already complete too, with no job)
+    and its job array, for `mantra compare <that dir>`. A later sweep of the same manifest replaces it
+    (its runs stay where they are)."""
+    where = sweep_dir(base_dir)
+    job_of = {sub.run.run_dir: sub.job_id for sub in subs}
+    entries = [{"name": run.manifest.name, "job_id": job_of.get(run.run_dir),
+                "dir": os.path.relpath(run.run_dir.resolve(), where.resolve())} for run in runs]
+    _write_json(where / SWEEP_RECORD, {
+        "name": runs[0].manifest.logging.wandb.group or where.name, "sweep": sweeps,
+        "array_job": subs[0].job_id.split("_")[0] if subs else None,
+        "submitted": datetime.now().isoformat(timespec="seconds"), "folder": str(subs[0].folder) if subs else None,
+        "runs": entries})
+    return where
+
+
 def describe(subs: list[Submitted], out: TextIO) -> None:
     """What was submitted: job ids, the run (= tracking run) names, run directories and rank 0's logs."""
     first = subs[0]
@@ -224,7 +276,8 @@ def describe(subs: list[Submitted], out: TextIO) -> None:
         log, _ = rank0_logs(sub)
         print(f"  {sub.job_id:>8}  run {sub.run.manifest.name}  dir {sub.run.run_dir}  log {log} (.err beside it)", file=out)
     sinks = {k.value for k in m.logging.sinks}
-    tracking = [f"wandb project {m.logging.wandb.project} ({m.logging.wandb.mode.value})"] if "wandb" in sinks else []
+    group = f", group {m.logging.wandb.group}" if m.logging.wandb.group else ""
+    tracking = [f"wandb project {m.logging.wandb.project}{group} ({m.logging.wandb.mode.value})"] if "wandb" in sinks else []
     tracking += ["tensorboard in each run dir"] if "tensorboard" in sinks else []
     tracking += ["metrics.jsonl in each run dir"] if "jsonl" in sinks else []
     print(f"  tracking runs are named as above: {', '.join(tracking) or 'console only'}", file=out)
@@ -239,11 +292,16 @@ def submit_manifests(manifests: list[str], overrides: list[str], sweeps: list[st
     runs, base_dir, warnings = load_runs(manifests, overrides, sweeps)
     for d in warnings:
         print(d.render(), file=sys.stderr)
-    runs = [run for run in runs if not already_complete(run, fresh)]
-    if not runs:
+    todo = [run for run in runs if not already_complete(run, fresh)]
+    if not todo:
         return 0
-    subs = submit(runs, base_dir)
+    subs = submit(todo, base_dir)
+    record_jobs(subs)
     describe(subs, sys.stdout)
+    if sweeps:
+        where = record_sweep(runs, subs, base_dir, sweeps)
+        print(f"  compare the sweep: `mantra compare {where} --plot {where.name}.png`; "
+              f"its state: `mantra runs {where}`")
     sys.stdout.flush()
     return wait_for(subs) if wait else 0
 

@@ -7,6 +7,7 @@ partition (no GPU gres, so mantra asks for no GPUs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -167,7 +168,8 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, jobs, tmp_path):
 
 
 def test_scancel_ends_the_job_and_wait_says_so(slurm, jobs, tmp_path):
-    """A cancelled job is not requeued (its ranks may still save on the SIGTERM), and --wait exits 1."""
+    """A cancelled job is not requeued: its ranks save on the SIGTERM, status.json says `cancelled` (not
+    `requeue`), no requeue marker is left behind, `mantra runs` shows it cancelled, and --wait exits 1."""
     run_dir = tmp_path / "c"
     proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "submit", TINY_CPU, *TWO_TASKS,
                              "--set", "train.steps=200", "--set", "checkpoint.every=50", "--set", f"logging.dir={run_dir}",
@@ -185,6 +187,11 @@ def test_scancel_ends_the_job_and_wait_says_so(slurm, jobs, tmp_path):
     time.sleep(3)
     info = scontrol(job)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "cancelled" and 0 < status["step"] < 200, status
+    assert list((run_dir / "slurm").glob("*/requeue-*")) == []
+    listed = json.loads(mantra("runs", str(run_dir), "--json").stdout)
+    assert listed["state"] == "cancelled" and listed["slurm_job"] == job, listed
 
 
 def test_sweep_is_one_array_of_finished_runs(slurm, jobs, tmp_path):
@@ -203,6 +210,14 @@ def test_sweep_is_one_array_of_finished_runs(slurm, jobs, tmp_path):
     assert first[1] != first[2]  # each element trained its own seed
     for job_id in jobs:
         assert scontrol(job_id)["JobState"] == "COMPLETED"
+    # one comparison and one W&B group: the record names the array and its runs; compare expands it
+    sweep = tmp_path / "sw-sweep"
+    assert f"mantra compare {sweep} --plot sw-sweep.png" in proc.stdout
+    record = json.loads((sweep / "sweep.json").read_text())
+    assert record["array_job"] == jobs[0].split("_")[0] and [r["job_id"] for r in record["runs"]] == jobs
+    assert all("group: tiny-cpu-sweep" in (tmp_path / f"sw-seed{s}" / "manifest.yaml").read_text() for s in (1, 2))
+    table = mantra("compare", str(sweep))
+    assert table.returncode == 0 and [line.split()[0] for line in table.stdout.splitlines()[1:]] == ["sw-seed1", "sw-seed2"]
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from launchers.sbatch import (BadRequest, container_mounts, master_port, parse_extra, rendezvous_env, sbatch_script,
+from launchers.sbatch import (CANCELLED, REQUEUED, TIMED_OUT, UNKNOWN, WARNED, BadRequest, after_requeue_exit,
+                              container_mounts, master_port, parse_extra, rendezvous_env, sbatch_script, stop_cause,
                               time_minutes)
 from launchers.slurm import SlurmError, check_one_request, load_runs, rejection
 from launchers.sweep import parse_sweeps, split_values
@@ -89,8 +91,10 @@ def test_script_one_task_per_gpu_signal_and_requeue(tmp_path):
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --mem=64G",
                  "#SBATCH --time=1-00:00:00", "#SBATCH --reservation=big", f"#SBATCH --chdir={tmp_path}",
-                 "module load cuda", "trap 'exit 143' TERM", 'scontrol requeue "$SLURM_JOB_ID"']:
+                 "module load cuda", 'scontrol requeue "$SLURM_JOB_ID"']:
         assert line in script.splitlines() or line in script, line
+    trap = next(line for line in script.splitlines() if line.startswith("trap "))
+    assert trap == f'trap "rm -f {tmp_path / "sub"}/requeue-${{SLURM_JOB_ID}}; exit 143" TERM', trap  # no marker outlives a cancel
     assert "USR2" not in script  # submitit's own preemption signal is replaced
     assert script.index("module load cuda") < script.index("srun ") < script.index("scontrol requeue")
     assert "--kill-on-bad-exit=1" in script and "submitit.core._submit" in script
@@ -192,3 +196,64 @@ def test_an_early_usr1_is_held_then_delivered_to_the_trainer():
     """USR1 during imports would kill the rank (its default action) and lose the requeue."""
     proc = subprocess.run([sys.executable, "-c", HELD], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "delivered", proc.stdout + proc.stderr
+
+
+def test_a_sweep_is_one_wandb_group_unless_the_manifest_names_one(tmp_path):
+    runs, _ = runs_for(tmp_path, sweeps=("train.seed=1,2",))
+    assert [r.manifest.logging.wandb.group for r in runs] == ["tiny-cpu-sweep"] * 2
+    runs, _ = runs_for(tmp_path, "logging.wandb.group=mine", sweeps=("train.seed=1,2",))
+    assert [r.manifest.logging.wandb.group for r in runs] == ["mine"] * 2
+    runs, _ = runs_for(tmp_path)
+    assert runs[0].manifest.logging.wandb.group is None  # a single run is no group
+
+
+# `scontrol show job -o` while the ranks save (measured on Slurm 22.05): a cancel and a requeue both
+# say COMPLETING; a requeue has already counted its restart.
+SCONTROL = "JobId=26 JobName=t JobState={state} Reason=None Restarts={restarts} RunTime={run} TimeLimit={limit} Requeue=1"
+
+
+@pytest.mark.parametrize("state, restarts, run, limit, cause", [
+    ("RUNNING", 0, "00:05:00", "01:00:00", WARNED),       # USR1 before the time limit: the job goes on
+    ("COMPLETING", 0, "00:00:04", "01:00:00", CANCELLED),  # scancel
+    ("CANCELLED", 0, "00:00:04", "01:00:00", CANCELLED),
+    ("COMPLETING", 1, "00:00:00", "01:00:00", REQUEUED),   # scontrol requeue / preemption with requeue
+    ("PENDING", 1, "00:00:00", "01:00:00", REQUEUED),
+    ("COMPLETING", 0, "01:00:02", "01:00:00", TIMED_OUT),  # the time limit itself, the USR1 save too late
+    ("COMPLETING", 2, "1-00:00:00", "UNLIMITED", CANCELLED),  # restarted twice before; cancelled now
+])
+def test_stop_cause_tells_scancel_from_requeue_and_the_time_limit(state, restarts, run, limit, cause):
+    own = 2 if restarts == 2 else 0
+    assert stop_cause(SCONTROL.format(state=state, restarts=restarts, run=run, limit=limit), own) == cause
+    assert stop_cause("", 0) == UNKNOWN
+
+
+def fake_scontrol(tmp_path: Path, monkeypatch, line: str) -> tuple[Path, Path]:
+    """A `scontrol` on PATH that prints `line`, and the Slurm task's environment; returns (run dir, folder)."""
+    bin_dir, run_dir, folder = tmp_path / "bin", tmp_path / "run", tmp_path / "sub"
+    for d in (bin_dir, run_dir, folder):
+        d.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho '{line}'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "26")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(folder))
+    (run_dir / "status.json").write_text('{"state": "requeue", "step": 7, "error": null, "time": 1}')
+    return run_dir, folder
+
+
+def test_a_cancelled_job_says_cancelled_and_leaves_no_requeue_marker(tmp_path, monkeypatch):
+    run_dir, folder = fake_scontrol(tmp_path, monkeypatch, SCONTROL.format(state="COMPLETING", restarts=0,
+                                                                          run="00:00:09", limit="01:00:00"))
+    assert after_requeue_exit(run_dir / "manifest.yaml", rank=0) == CANCELLED
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "cancelled" and status["step"] == 7
+    assert list(folder.iterdir()) == []
+
+
+def test_the_time_limit_warning_leaves_the_marker_the_batch_script_requeues_on(tmp_path, monkeypatch):
+    run_dir, folder = fake_scontrol(tmp_path, monkeypatch, SCONTROL.format(state="RUNNING", restarts=0,
+                                                                          run="00:58:00", limit="01:00:00"))
+    assert after_requeue_exit(run_dir / "manifest.yaml", rank=0) == WARNED
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "requeue"
+    assert [p.name for p in folder.iterdir()] == ["requeue-26"]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 class RunStatus:
     """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
-    step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py).
+    step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py); `cancelled` by a Slurm
+    task's rank 0 when the job it saved for is being cancelled, not requeued (launchers/sbatch.py).
 
     Launchers read it where the scheduler cannot tell (torchrun's exit code, Slurm without sacct)."""
 
