@@ -35,13 +35,14 @@ def _print(diagnostics: Sequence[Diagnostic]) -> None:
         print(d.render(), file=sys.stderr)
 
 
-def _load(args: argparse.Namespace) -> Resolved:
+def _load(args: argparse.Namespace, *, data_files: bool = True) -> Resolved:
+    """The manifest of a run-like command; data_files=False for those that read no data (dry-run)."""
     overrides = list(args.set or [])
     if getattr(args, "nproc", None) is not None:
         overrides.append(f"launcher.nproc={args.nproc}")
     if getattr(args, "resume_from", None) is not None:
         overrides.append(f"checkpoint.resume_from='{args.resume_from}'")
-    run, warnings = load_manifest(args.manifest, overrides)
+    run, warnings = load_manifest(args.manifest, overrides, data_files=data_files)
     _print(warnings)
     return run
 
@@ -93,7 +94,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from launchers.dry_run import print_dry_run
     from trainer.manifest.schema import LauncherKind
 
-    run = _load(args)
+    run = _load(args, data_files=False)
     print_dry_run(run)
     if run.manifest.launcher.kind == LauncherKind.slurm:  # and the sbatch script `mantra submit` would send
         from launchers.slurm import SlurmError, print_sbatch_script
@@ -233,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="memory per rank, FLOPs, step time and bubble before launch; --search for layouts")
     with_manifest(p)
-    p.add_argument("--gpu", default="h100", choices=["h100", "h200", "a100", "b200", "cpu"], help="device to plan for")
+    p.add_argument("--gpu", default="auto", choices=["auto", "h100", "h200", "a100", "b200", "cpu"],
+                   help="device to plan for; auto (default): an H100 for a Slurm manifest, this machine (its GPU, "
+                        "else its CPU) for a local one")
     p.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory per device (default: the device's)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--timeline", metavar="FILE", help="write the pipeline timeline picture (.svg, or .png with matplotlib)")

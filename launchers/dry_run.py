@@ -9,6 +9,7 @@ command `mantra run` would start.
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -112,8 +113,17 @@ def command_for(run: Resolved) -> list[str]:
     return torchrun_command(run, run.run_dir / "manifest.yaml")
 
 
+PIPED_WIDTH = 1000  # columns rich may use when the output is not a terminal
+
+
+def output_console() -> Console:
+    """A console for tables: a terminal's own width; piped or redirected, PIPED_WIDTH instead of rich's
+    80 columns, which cut a wide table's rows (tables take the width they need, not the console's)."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+
+
 def print_dry_run(run: Resolved, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     m = run.manifest
     b = run.batch
     console.print(

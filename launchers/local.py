@@ -6,12 +6,16 @@
 The resolved manifest (every default filled in) is written to the run
 directory first; each rank loads that file, so all ranks and the record of
 the run agree. No shell string is ever built from manifest values.
+
+Several ranks share this machine's cores: each gets OMP_NUM_THREADS = cores // ranks (at least 1)
+unless the user set it, and mantra says so in one line (torchrun would set 1 and print a banner).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.manifest import Resolved, dump_manifest
@@ -42,6 +46,24 @@ def torchrun_command(run: Resolved, manifest_path: Path, launcher_pid: int | Non
     ]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_threads(nproc: int, environ: Mapping[str, str] = os.environ,
+                 cores: int | None = None) -> tuple[dict[str, str], str | None]:
+    """The ranks' environment, with OMP_NUM_THREADS: the user's, else the cores split among `nproc`
+    ranks (at least 1 each); and the line that says what was chosen (None when the user chose)."""
+    if "OMP_NUM_THREADS" in environ:
+        return dict(environ), None
+    cores = cores or usable_cores()
+    threads = max(1, cores // nproc)
+    note = (f"OMP_NUM_THREADS={threads} for each of the {nproc} ranks ({cores} cores); "
+            "set OMP_NUM_THREADS to choose another")
+    return dict(environ, OMP_NUM_THREADS=str(threads)), note
+
+
 def run_local(run: Resolved) -> int:
     """Train; returns the exit code: 0 done, 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 saved
     on Ctrl-C (or aborted by a second one), 124 hung (trainer/watchdog.py), 1 a rank failed."""
@@ -53,4 +75,7 @@ def run_local(run: Resolved) -> int:
         return 0
     from launchers.supervise import supervise  # signals reach every rank; no rank outlives mantra
 
-    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size)
+    env, note = rank_threads(run.world_size)
+    if note:
+        print(f"mantra: {note}", file=sys.stderr, flush=True)
+    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size, env)

@@ -1,12 +1,14 @@
 """`mantra plan`: will it fit, and how fast will it be? Memory per rank, FLOPs, step time, bubble, verdict.
 
-    mantra plan manifests/llama3-8b.yaml                          # on an H100 (the default --gpu)
-    mantra plan manifests/tiny-cpu.yaml --gpu cpu                  # this machine
+    mantra plan manifests/llama3-8b.yaml                          # a Slurm manifest: on an H100 (--gpu auto)
+    mantra plan manifests/tiny-cpu.yaml                           # a local one: this machine (its GPU, else CPU)
     mantra plan manifests/llama3-8b.yaml --json                    # the same as one JSON object
     mantra plan manifests/llama3-8b.yaml --set parallel.pp=4 --set parallel.schedule=zb-h1 --timeline plan.svg
     mantra plan manifests/llama3-8b.yaml --search --gpus 64 --gpu-mem 80    # the five fastest layouts that fit
 
-Exit 0 whether or not the layout fits (the verdict says it); 2 for a bad manifest or arguments.
+The first line names the device planned for and why (`--gpu auto`, the default: trainer/plan/devices.py).
+Exit 0 when the layout fits, 3 when it does not (with --search: 0 when at least one layout fits, 3 when none
+does); 2 for a bad manifest or arguments. Scripts can branch on it: `mantra plan m.yaml --json || ...`.
 Torch is never imported: the answer comes in about a second on a login node.
 """
 
@@ -21,8 +23,10 @@ from rich.table import Table
 
 from trainer.manifest import Resolved, load_manifest
 from trainer.plan import Estimate, estimate
-from trainer.plan.devices import GIB
+from trainer.plan.devices import GIB, Device, choose_device
 from trainer.plan.estimate import ROWS
+
+EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3  # 2 (bad input) is the CLI's
 
 
 class PlanInputError(ValueError):
@@ -31,6 +35,17 @@ class PlanInputError(ValueError):
 
 def _gib(x: float) -> str:
     return f"{x / GIB:,.2f}"
+
+
+def duration(seconds: float) -> str:
+    """A time in the unit that shows its digits: 1.23 s, 45.6 ms, 789 µs (never 0.000 s)."""
+    if seconds == 0:
+        return "0"
+    if seconds >= 1:
+        return f"{seconds:,.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
 
 
 def _layout_line(e: Estimate) -> str:
@@ -44,9 +59,11 @@ def _layout_line(e: Estimate) -> str:
             f"micro {lay['micro_batch']} x {lay['microbatches']} microbatches x dp {lay['dp_replicate'] * lay['dp_shard']}")
 
 
-def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True) -> None:
+def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: str = "") -> None:
+    """The plan as the terminal shows it; the first line names the device and `why` it was chosen."""
     precision = "bf16 autocast over fp32 weights" if e.precision == "bf16" else "fp32"
-    console.print(f"[bold]{e.name}[/bold] on {e.world} x {e.device.name} ({precision})")
+    reason = f"; device: {why}" if why else ""
+    console.print(f"[bold]{e.name}[/bold] on {e.world} x {e.device.name} ({precision}){reason}", soft_wrap=True)
     console.print(_layout_line(e), soft_wrap=True)
     table = Table(title="memory per rank at its peak (GiB)", title_justify="left")
     table.add_column("rank")
@@ -64,9 +81,9 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True) -> No
     console.print(f"activations per block and microbatch (bytes): {coeffs}", soft_wrap=True)
     t = e.timing
     console.print(
-        f"per step: {t.model_flops:.3g} model FLOPs ({t.hardware_flops:.3g} with recompute); compute {t.compute_s:.3f} s + "
-        f"bubble {t.bubble_s:.3f} s + tp comm {t.tp_s:.3f} s + exposed dp comm {t.dp_s:.3f} s + optimizer "
-        f"{t.optimizer_s:.3f} s = [bold]{t.step_s:.3f} s[/bold]", soft_wrap=True)
+        f"per step: {t.model_flops:.3g} model FLOPs ({t.hardware_flops:.3g} with recompute); compute "
+        f"{duration(t.compute_s)} + bubble {duration(t.bubble_s)} + tp comm {duration(t.tp_s)} + exposed dp comm "
+        f"{duration(t.dp_s)} + optimizer {duration(t.optimizer_s)} = [bold]{duration(t.step_s)}[/bold]", soft_wrap=True)
     console.print(f"predicted {t.tokens_per_s / e.world:,.0f} tokens/s per device ({t.tokens_per_s:,.0f} in all), "
                   f"MFU {t.mfu:.1%} of {e.device.peak_tflops:g} TFLOP/s", soft_wrap=True)
     for line in split_lines(e):
@@ -74,14 +91,16 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True) -> No
     if ascii_timeline and t.sim is not None and e.layout["pp"] > 1:
         from trainer.parallel.pipeline import render_ascii
 
-        console.print("pipeline timeline (milliseconds):")
-        console.print(render_ascii(t.sim, max_width=max(60, min(console.width - 45, 160))), markup=False, highlight=False)
+        console.print("pipeline timeline:")
+        console.print(render_ascii(t.sim, max_width=max(60, min(console.width - 45, 160)), unit="ms"), markup=False,
+                      highlight=False)
     for note in e.notes:
         console.print(f"note: {note}", soft_wrap=True, style="dim")
 
 
 def _ms(xs) -> str:
-    return " ".join(f"{1e3 * x:,.1f}" for x in xs)
+    """Milliseconds with the digits that matter (a tiny model's stage takes well under 0.1 ms)."""
+    return " ".join(f"{1e3 * x:,.1f}" if x >= 1e-2 else f"{1e3 * x:.3g}" for x in xs)
 
 
 def split_lines(e: Estimate) -> list[str]:
@@ -98,7 +117,7 @@ def split_lines(e: Estimate) -> list[str]:
         fit = "fits" if b.fits else "does not fit"
         out.append(f"hint: the uniform split's slowest rank computes {s.imbalance - 1:.0%} more than the mean (the last "
                    f"stage also runs the head and the loss); parallel.stage_layers: balanced would split {list(b.stage_layers)} (slowest / mean "
-                   f"{b.imbalance:.3f}): step {b.step_s:.3f} s instead of {t.step_s:.3f} s, pipeline idle "
+                   f"{b.imbalance:.3f}): step {duration(b.step_s)} instead of {duration(t.step_s)}, pipeline idle "
                    f"{b.bubble_rate:.1%} instead of {t.sim.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
                    "--set parallel.stage_layers=balanced")
     return out
@@ -108,67 +127,105 @@ def write_picture(e: Estimate, path: str) -> Path:
     from trainer.parallel.pipeline import write_timeline
 
     try:
-        return write_timeline(path, e.timing.sim)
+        return write_timeline(path, e.timing.sim, unit="ms")  # the plan simulates in milliseconds
     except (ValueError, RuntimeError) as exc:
         raise PlanInputError(str(exc)) from None
 
 
 def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | None, as_json: bool,
              timeline: str | None, search: bool, gpus: int | None, efficiency: float | None = None) -> int:
-    """What `mantra plan` does; returns the exit code (ManifestError propagates to the CLI)."""
+    """What `mantra plan` does; returns the exit code: 0 fits, 3 does not (ManifestError propagates to the CLI)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    if search:
-        if not gpus:
-            raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
-        return _run_search(manifest, overrides, gpu, gpu_mem, gpus, as_json, console, efficiency)
-    run, warnings = load_manifest(manifest, overrides)
+    if search and not gpus:
+        raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
+    run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
     for w in warnings:
         print(w.render(), file=sys.stderr)
-    e = _estimate(run, gpu, gpu_mem, efficiency)
+    device, why = _device(gpu, run)
+    if search:
+        return _run_search(manifest, overrides, device, why, gpu_mem, gpus, as_json, console, efficiency)
+    e = _estimate(run, device, gpu_mem, efficiency)
     picture = write_picture(e, timeline) if timeline else None
+    code = EXIT_FITS if e.fits else EXIT_DOES_NOT_FIT
     if as_json:
         out = e.to_json()
+        out["device_reason"] = why
         out["timeline"] = str(picture) if picture else None
+        out["exit_code"] = code
         print(json.dumps(out, indent=2))
-        return 0
-    print_plan(e, console)
+        return code
+    print_plan(e, console, why=why)
     if picture:
         console.print(f"timeline: {picture}")
-    return 0
+    return code
 
 
-def _estimate(run: Resolved, gpu: str, gpu_mem: float | None, efficiency: float | None) -> Estimate:
+def _device(gpu: str, run: Resolved) -> tuple[Device, str]:
     try:
-        return estimate(run, gpu, capacity_gib=gpu_mem, efficiency=efficiency)
+        return choose_device(gpu, run.manifest.launcher.kind.value)
+    except KeyError as exc:
+        raise PlanInputError(str(exc.args[0])) from None
+
+
+def _estimate(run: Resolved, device: Device, gpu_mem: float | None, efficiency: float | None) -> Estimate:
+    try:
+        return estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency)
     except (KeyError, ValueError) as exc:
         raise PlanInputError(str(exc.args[0] if exc.args else exc)) from None
 
 
-def _run_search(manifest: str, overrides: list[str], gpu: str, gpu_mem: float | None, gpus: int, as_json: bool,
-                console: Console, efficiency: float | None) -> int:
+class SearchProgress:
+    """`searching 10,635 layouts… 40%` on stderr: redrawn in place on a terminal, a plain line per quarter
+    when piped (a log file or CI keeps four lines, not thousands)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100 * done // max(total, 1)
+        step = 1 if self.tty else 25
+        if percent // step == self.shown // step and done < total:
+            return
+        self.shown = percent
+        line = f"searching {total:,} layouts… {percent}%"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _run_search(manifest: str, overrides: list[str], device: Device, why: str, gpu_mem: float | None, gpus: int,
+                as_json: bool, console: Console, efficiency: float | None) -> int:
+    """The fastest layouts that fit; exit 0 when at least one fits, 3 when none does."""
     from trainer.plan.search import search
 
-    found = search(manifest, gpus=gpus, gpu_mem=gpu_mem, device=gpu, overrides=overrides, efficiency=efficiency)
+    found = search(manifest, gpus=gpus, gpu_mem=gpu_mem, device=device, overrides=overrides, efficiency=efficiency,
+                   progress=SearchProgress())
+    code = EXIT_FITS if found.best else EXIT_DOES_NOT_FIT
     if as_json:
-        print(json.dumps({"gpus": gpus, "gpu_mem_gib": gpu_mem, "device": gpu, "tried": found.tried, "valid": found.valid,
-                          "fitting": found.fitting, "best": [{"set": list(c.overrides), "plan": c.estimate.to_json()}
-                                                             for c in found.best]}, indent=2))
-        return 0
+        print(json.dumps({"gpus": gpus, "gpu_mem_gib": gpu_mem, "device": device.key, "device_reason": why,
+                          "tried": found.tried, "valid": found.valid, "fitting": found.fitting, "exit_code": code,
+                          "best": [{"set": list(c.overrides), "plan": c.estimate.to_json()} for c in found.best]},
+                         indent=2))
+        return code
     mem = f"{gpu_mem:g} GiB" if gpu_mem else "the device's memory"
-    console.print(f"{found.tried:,} layouts of {manifest} on {gpus} x {gpu} with {mem}: {found.valid:,} validate, "
-                  f"{found.fitting:,} fit")
+    console.print(f"{found.tried:,} layouts of {manifest} on {gpus} x {device.name} with {mem} (device: {why}): "
+                  f"{found.valid:,} validate, {found.fitting:,} fit", soft_wrap=True)
     if not found.best:
         console.print("[red]no layout fits; add GPUs, memory, or recompute, or shrink the micro-batch or sequence[/red]")
-        return 0
+        return code
     table = Table(title="the fastest layouts that fit", title_justify="left")
-    for col in ("#", "step s", "tok/s/dev", "MFU", "peak GiB", "layout"):
+    for col in ("#", "step", "tok/s/dev", "MFU", "peak GiB", "layout"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, c in enumerate(found.best, 1):
         e = c.estimate
-        table.add_row(str(i), f"{e.timing.step_s:.3f}", f"{e.timing.tokens_per_s / e.world:,.0f}", f"{e.timing.mfu:.1%}",
-                      _gib(e.peak), _layout_line(e))
+        table.add_row(str(i), duration(e.timing.step_s), f"{e.timing.tokens_per_s / e.world:,.0f}",
+                      f"{e.timing.mfu:.1%}", _gib(e.peak), _layout_line(e))
     console.print(table)
     own = "".join(f" --set {o}" for o in overrides)
     for i, c in enumerate(found.best, 1):
         console.print(f"{i}. mantra plan {manifest}{own} {c.set_line}", soft_wrap=True, markup=False)
-    return 0
+    return code

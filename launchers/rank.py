@@ -28,6 +28,18 @@ from trainer.preempt import INTERRUPT_EXIT_CODE, PreemptionFlag, StopRequested
 log = logging.getLogger("launchers.rank")
 
 
+class CurrentStderr:
+    """Writes to sys.stderr as it is at each record, not as it was when logging was set up: while the
+    console's live progress line is up (trainer/progress.py), rich points sys.stderr at a proxy that
+    prints above that line, and a record written past the proxy would land in the middle of it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def setup_logging(info, run_dir: Path) -> None:
     """Rank 0 logs to stderr, the others to <run dir>/logs/rank<N>.log (`info`: a trainer.dist.RankInfo)."""
     fmt = "%(asctime)s %(levelname)s [rank%(rank)s] %(name)s: %(message)s"
@@ -40,7 +52,7 @@ def setup_logging(info, run_dir: Path) -> None:
 
     logging.setLogRecordFactory(factory)
     if info.is_rank0:
-        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler: logging.Handler = logging.StreamHandler(CurrentStderr())
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(run_dir / "logs" / f"rank{info.rank}.log")

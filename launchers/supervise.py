@@ -114,10 +114,11 @@ def _die_with_parent():
 
 
 class Supervisor:
-    """Runs torchrun (`cmd`) with `nproc` ranks for the run in `run_dir` and returns mantra's exit code."""
+    """Runs torchrun (`cmd`) with `nproc` ranks for the run in `run_dir` and returns mantra's exit code;
+    `env`: torchrun's environment (None: this process's)."""
 
-    def __init__(self, cmd: list[str], run_dir: Path, nproc: int):
-        self.cmd, self.run_dir, self.nproc = cmd, run_dir, nproc
+    def __init__(self, cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None):
+        self.cmd, self.run_dir, self.nproc, self.env = cmd, run_dir, nproc, env
         self.received: list[int] = []  # filled by the signal handler, read by the loop
         self.pending: list[tuple[int, set[int]]] = []  # (signal, ranks it was sent to)
         self.interrupts = 0
@@ -127,7 +128,8 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, lambda signum, frame: self.received.append(signum)) for sig in FORWARDED}
         try:
-            self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=_die_with_parent())
+            self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
+                                         preexec_fn=_die_with_parent())
             while True:
                 try:
                     code = self.proc.wait(timeout=0.1)
@@ -213,10 +215,10 @@ class Supervisor:
         print(f"mantra: {line}", file=sys.stderr, flush=True)
 
 
-def supervise(cmd: list[str], run_dir: Path, nproc: int) -> int:
-    """Run torchrun with `nproc` ranks under mantra's charge (see the module docstring); returns mantra's
-    exit code."""
-    return Supervisor(cmd, run_dir, nproc).run()
+def supervise(cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None) -> int:
+    """Run torchrun with `nproc` ranks under mantra's charge (see the module docstring), in `env` (None:
+    this process's environment); returns mantra's exit code."""
+    return Supervisor(cmd, run_dir, nproc, env).run()
 
 
 # ---------------------------------------------------------------------------- the rank's side

@@ -1,4 +1,7 @@
-"""Test-only rank script: train manifests under the live-tensor tracker and write each rank's peak.
+"""Train manifests under the live-tensor tracker and read back each rank's peak: the measuring half of
+tests/test_plan_accuracy.py, tests/test_plan_families.py and bench/plan_memory.py.
+
+As a rank script:
 
     python -m torch.distributed.run --standalone --nproc-per-node=N tests/plan_rank.py OUT_DIR A.yaml [B.yaml ...]
 
@@ -6,15 +9,92 @@ Every manifest must resolve to N ranks; they run one after another in the same
 processes (each `train` joins and leaves the process group). Rank r writes
 OUT_DIR/<stem>.rank<r>.json: the whole-run peak and the steady-state peak (after
 the first optimizer step) of live CPU tensor bytes, and what was alive at the
-steady peak. tests/test_plan_accuracy.py compares them with `mantra plan`.
+steady peak.
+
+As a library: `write_manifest` makes one small run's manifest (no checkpoint: the final save's
+copies are not part of a training step), `measure` runs a set of them grouped by world size
+(one torchrun per size) and `compare` puts `mantra plan`'s prediction for `cpu` next to each.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_manifest(folder: Path, name: str, ranks: int, model: dict, parallel: dict | None = None,
+                   train: dict | None = None) -> Path:
+    """A synthetic-data Llama run of 3 steps on `ranks` CPU ranks; `train` overrides the batch (8 x 2 by default)."""
+    import yaml
+
+    data = {"name": name, "model": {"kind": "llama"} | model, "parallel": dict(parallel or {}),
+            "train": {"global_batch": 8, "micro_batch": 2, "steps": 3, "seed": 3} | dict(train or {}),
+            "data": {"source": "synthetic"},
+            "logging": {"every": 3, "dir": str(folder / "runs" / name), "sinks": ["jsonl"]},
+            "checkpoint": {"final": False}, "launcher": {"nproc": ranks}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _ports(n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            out.append(str(s.getsockname()[1]))
+    return out
+
+
+def measure(manifests: dict[str, tuple[int, Path]], out: Path, timeout: float = 900) -> dict[str, list[dict]]:
+    """{name: (ranks, manifest)} -> {name: each rank's result}: one process group per world size, in turn."""
+    out.mkdir(parents=True, exist_ok=True)
+    by_world: dict[int, list[Path]] = {}
+    for ranks, path in manifests.values():
+        by_world.setdefault(ranks, []).append(path)
+    for ranks, paths in sorted(by_world.items()):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PLAN_PORTS=",".join(_ports(len(paths))))
+        cmd = [sys.executable, str(Path(__file__)), str(out), *map(str, paths)]
+        if ranks > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return {name: [json.loads((out / f"{path.stem}.rank{r}.json").read_text()) for r in range(ranks)]
+            for name, (ranks, path) in manifests.items()}
+
+
+def compare(manifests: dict[str, tuple[int, Path]], measured: dict[str, list[dict]]) -> list[dict]:
+    """One row per run: the plan's peak for `cpu` vs the largest rank's steady peak, and where each is."""
+    from trainer.manifest import load_manifest
+    from trainer.plan import estimate
+
+    rows = []
+    for name, (_, path) in manifests.items():
+        run, _ = load_manifest(path)
+        plan = estimate(run, "cpu")
+        ranks = measured[name]
+        meas = max(r["steady_peak"] for r in ranks)
+        rows.append({"name": name, "predicted": int(plan.peak), "measured": meas, "ratio": plan.peak / meas,
+                     "error": plan.peak / meas - 1, "measured_upper": max(r["steady_peak_upper"] for r in ranks),
+                     "rank_spread": 1 - min(r["steady_peak"] for r in ranks) / meas,
+                     "predicted_at": max(plan.rows, key=lambda r: r.peak).phase,
+                     "measured_at": max(ranks, key=lambda r: r["steady_peak"])["at"].split("/")[-1]})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["run                        predicted MiB  measured MiB  ratio  ranks differ  peak at (plan | measured)"]
+    for r in rows:
+        lines.append(f"{r['name']:26} {r['predicted'] / 2**20:>13.2f} {r['measured'] / 2**20:>13.2f} {r['ratio']:6.3f}  "
+                     f"{r['rank_spread']:11.2%}  {r['predicted_at']} | {r['measured_at']}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -25,7 +105,7 @@ def main() -> None:
     out, ports = Path(sys.argv[1]), os.environ.get("PLAN_PORTS", "").split(",")
     rank = int(os.environ.get("RANK", 0))
     for i, manifest in enumerate(sys.argv[2:]):
-        if i:  # a fresh rendezvous store per run: rank 0 hosts it on the next port the test reserved
+        if i:  # a fresh rendezvous store per run: rank 0 hosts it on the next port the caller reserved
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
             os.environ["MASTER_PORT"] = ports[i - 1]
         run, _ = load_manifest(manifest)

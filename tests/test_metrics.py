@@ -132,7 +132,7 @@ def test_every_sink_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with build(tmp_path, ALL_SINKS) as sinks:
         assert [s.name for s in sinks.sinks] == ["console", "jsonl", "tensorboard", "wandb"]
         for m in steps:
-            sinks.advance(m["step"], m["loss"])
+            sinks.advance(m["step"])
             sinks.log(m)
     run = tmp_path / "run"
 
@@ -169,17 +169,19 @@ def test_every_sink_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_console_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    m = fake_steps(1, mfu=False, pipeline=False)[0] | {"step": 20}
+    m = fake_steps(1, mfu=False, pipeline=False)[0] | {"step": 20, "peak_tensor_bytes": None}
     with build(tmp_path, (Sink.console,)) as sinks:
-        sinks.advance(1, 3.0)  # no terminal under pytest: no bar, nothing printed
+        sinks.advance(1)  # no terminal under pytest: no live line, nothing printed
         sinks.log(m)
         sinks.log(m | {"mfu": 0.4134})
         sinks.log(m | {"busy_s": 0.3, "idle_s": 0.1, "bubble": 0.25})
-    first, second, third = capsys.readouterr().out.splitlines()
+        sinks.log(m | {"peak_tensor_bytes": int(0.12 * 2**30)})  # logging.memory: tensors
+    first, second, third, fourth = capsys.readouterr().out.splitlines()
     assert first == ("step 20/30 | loss 3.1416 | grad_norm 0.812 | lr 3.00e-04 | 12,345 tok/s | "
                      "mfu n/a (cpu) | mem 1.00 GiB | 0.210 s/step")
     assert "mfu 41.3%" in second and "bubble" not in second
     assert third.endswith("| bubble 25.0% (busy 0.300 s, idle 0.100 s)")
+    assert "| mem 1.00 GiB | tensors 0.12 GiB | 0.210 s/step" in fourth  # peak live tensors, beside the RSS
     assert not (tmp_path / "run").exists()  # the console writes no files
 
 
@@ -196,7 +198,7 @@ def test_jsonl_writes_null_mfu_and_flushes(tmp_path: Path) -> None:
 def test_non_rank0_builds_nothing(tmp_path: Path) -> None:
     with build(tmp_path, ALL_SINKS, rank0=False) as sinks:
         assert sinks.sinks == ()
-        sinks.advance(10, 1.0)
+        sinks.advance(10)
         sinks.log(fake_steps(1)[0])
     assert list(tmp_path.iterdir()) == []
 

@@ -8,7 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from trainer.parallel.pipeline import build_schedule, render_ascii, simulate, to_svg, write_timeline
-from trainer.parallel.pipeline.timeline import write_png
+from trainer.parallel.pipeline import Kind
+from trainer.parallel.pipeline.timeline import COLORS, tint, write_png
 
 
 def result(name: str = "zb-h1", p: int = 4, m: int = 8, v: int = 1):
@@ -31,7 +32,7 @@ def test_ascii_marks_the_second_chunk_and_full_backward():
     text = render_ascii(result("zb-v", 4, 8, 2))
     assert " f0 b0 w0 " in text and "lower case: second chunk" in text
     text = render_ascii(result("1f1b"))
-    assert "BW0" in text and "BW full backward" in text
+    assert "BW0" in text and "BW or X full backward" in text
 
 
 def test_ascii_stays_within_width():
@@ -46,7 +47,7 @@ def test_svg_is_well_formed():
     root = ET.fromstring(svg)
     rects = [el for el in root.iter() if el.tag.endswith("rect") and el.find("{http://www.w3.org/2000/svg}title") is not None]
     assert len(rects) == sum(len(rank) for rank in res.spans) == 4 * 8 * 2 * 3
-    assert "makespan 25.5" in svg and "fill-opacity=\"0.55\"" in svg
+    assert "makespan 25.5" in svg and f'fill="{tint(COLORS[Kind.F])}"' in svg  # the second chunk: lighter
 
 
 def test_write_svg(tmp_path):

@@ -11,22 +11,14 @@ The table is printed (pytest -s) and written to OUT/plan_accuracy.json.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import ROOT
-from trainer.manifest import load_manifest
-from trainer.plan import estimate
+from plan_rank import compare, measure, table, write_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-MODEL = {"kind": "llama", "dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_dim": 128, "vocab": 512, "seq_len": 64}
+MODEL = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_dim": 128, "vocab": 512, "seq_len": 64}
 TOLERANCE = 0.10
 
 LAYOUTS: dict[str, tuple[int, dict, dict]] = {  # name: (ranks, parallel, train)
@@ -53,62 +45,19 @@ LAYOUTS: dict[str, tuple[int, dict, dict]] = {  # name: (ranks, parallel, train)
 }
 
 
-def _ports(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(str(s.getsockname()[1]))
-    return out
-
-
-def _manifest(tmp: Path, name: str, ranks: int, parallel: dict, train: dict) -> Path:
-    parallel = dict(parallel)
-    data = {"name": name, "model": MODEL | parallel.pop("model", {}), "parallel": parallel,
-            "train": {"global_batch": 8, "micro_batch": 2, "steps": 3, "seed": 3} | train,
-            "data": {"source": "synthetic"}, "logging": {"every": 1, "dir": str(tmp / "runs" / name), "sinks": ["jsonl"]},
-            "launcher": {"nproc": ranks}}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, list[dict]]:
-    """Run every layout, one process group of each world size after another, and read back each rank's peak."""
+def measured(tmp_path_factory) -> dict[str, dict]:
+    """Run every layout, one process group of each world size after another, and compare each with the plan."""
     tmp = tmp_path_factory.mktemp("plan-accuracy")
-    out = tmp / "out"
-    out.mkdir()
-    by_world: dict[int, list[Path]] = {}
+    manifests = {}
     for name, (ranks, parallel, train) in LAYOUTS.items():
-        by_world.setdefault(ranks, []).append(_manifest(tmp, name, ranks, parallel, train))
-    script = ROOT / "tests" / "plan_rank.py"
-    for ranks, paths in sorted(by_world.items()):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PLAN_PORTS=",".join(_ports(len(paths))))
-        cmd = [sys.executable, str(script), str(out), *map(str, paths)]
-        if ranks > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    result = {}
-    for name, (ranks, _, _) in LAYOUTS.items():
-        result[name] = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
-    rows = []
-    for name in LAYOUTS:
-        run, _ = load_manifest(tmp / f"{name}.yaml")
-        plan = estimate(run, "cpu")
-        meas = max(r["steady_peak"] for r in result[name])
-        rows.append({"layout": name, "predicted": int(plan.peak), "measured": meas,
-                     "measured_upper": max(r["steady_peak_upper"] for r in result[name]),
-                     "error": plan.peak / meas - 1,
-                     "rank_spread": 1 - min(r["steady_peak"] for r in result[name]) / meas, "predicted_at": max(plan.rows, key=lambda r: r.peak).phase,
-                     "measured_at": max(result[name], key=lambda r: r["steady_peak"])["at"].split("/")[-1]})
-    print("\nlayout               predicted    measured   error  ranks differ  (measured upper bound)  peak at")
-    for r in rows:
-        print(f"{r['layout']:18} {r['predicted']:>11,} {r['measured']:>11,} {r['error']:+7.2%}  {r['rank_spread']:6.2%}  "
-              f"({r['measured_upper']:,})  {r['predicted_at']} | {r['measured_at']}")
+        parallel = dict(parallel)
+        model = MODEL | parallel.pop("model", {})
+        manifests[name] = (ranks, write_manifest(tmp, name, ranks, model, parallel, train))
+    rows = compare(manifests, measure(manifests, tmp / "out"))
+    print("\n" + table(rows))
     (tmp / "plan_accuracy.json").write_text(json.dumps(rows, indent=1))
-    return {r["layout"]: r for r in rows}
+    return {r["name"]: r for r in rows}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

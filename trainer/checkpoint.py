@@ -44,6 +44,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,24 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.yaml"  # the run's resolved manifest, so a checkpoint explains itself (export reads it)
 __all__ = ["COMMITTED", "LATEST", "MANIFEST", "Checkpointer", "Resumed", "NonFiniteCheckpoint", "CheckpointUnusable"]
+
+
+# DCP's save, async_save and load warn when called without a process group (a UserWarning, in
+# torch.distributed.checkpoint.state_dict_saver.save and state_dict_loader.load; the same on torch 2.11 and 2.13):
+#   "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single process."
+#   "... assuming the intent is to load in a single process."
+# A one-rank run has no process group by design (trainer/dist.py), so that is what we mean, yet its first save
+# and first load each printed two lines of it (Python shows a warning once per place). Only these
+# two messages, from DCP only, are silenced: a filter rather than catch_warnings, because async_save warns
+# from its upload thread, after the call has returned.
+SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                          r"assuming the intent is to (save|load) in a single process")
+
+
+def quiet_single_process_warnings() -> None:
+    """Silence DCP's single-process warnings (see above); idempotent (warnings drops a repeated filter)."""
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning,
+                            module=r"torch\.distributed\.checkpoint")
 
 
 class NonFiniteCheckpoint(RuntimeError):
@@ -158,6 +177,8 @@ class Checkpointer:
         self.need_bytes: int | None = None
         self._pending = None  # (future, step, directory, start time) of a background save
         self._async_group = None
+        if world_size == 1:
+            quiet_single_process_warnings()
         self.preflight(model, sync)
 
     def preflight(self, model: torch.nn.Module | None = None, sync=None) -> None:

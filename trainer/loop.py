@@ -19,11 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainer.banner import print_banner
 from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Precision
+from trainer.memtrack import RunMemory
 from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
 from trainer.models import get_model_spec
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
@@ -46,11 +48,14 @@ class TrainResult:
     run_dir: Path
 
 
-def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractContextManager:
+def uses_bf16(run: Resolved, device: torch.device) -> bool:
     """bf16 autocast over fp32 master weights on GPU ('auto' or 'bf16'); fp32 on CPU unless asked."""
     precision = run.manifest.train.precision
-    bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    return precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
+
+
+def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(run, device) else contextlib.nullcontext()
 
 
 def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
@@ -112,6 +117,7 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
 def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watchdog: HangWatchdog,
            preempt: PreemptionFlag | None) -> TrainResult:
     m = run.manifest
+    memory = RunMemory.start(run, info.rank, device)  # logging.memory: tensors, from before the model is built
     layout = run.layout
     mesh = build_mesh(layout, device)
     torch.manual_seed(m.train.seed)
@@ -130,6 +136,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     first = resumed.step + 1 if resumed else 1
     if resumed and info.is_rank0:
         log.info("resuming from %s (step %d)", resumed.path, resumed.step)
+    if info.is_rank0:  # what this run is about to do, before its first step
+        print_banner(run, device, uses_bf16(run, device), (resumed.path, resumed.step) if resumed else None)
     status = RunStatus(run.run_dir, info.is_rank0)
     status.write("running", first - 1)
     meter = Meter(run, device, mesh, pipeline)
@@ -142,7 +150,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     try:
         with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                          config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
-                         resume_step=resumed.step if resumed else None) as sinks:
+                         resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step) as sinks:
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
@@ -162,10 +170,10 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                     sync.skip_step()
                 lr_schedule.step()
                 meter.stop()
-                sinks.advance(step, None)
+                sinks.advance(step)  # the console's live line, on a terminal
                 if step % m.logging.every == 0 or step == m.train.steps:
                     sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped,
-                                                                           "peak_tensor_bytes": None})
+                                                                           "peak_tensor_bytes": memory.report(step)})
 
                 every, last = m.checkpoint.every, step == m.train.steps
                 saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
@@ -195,6 +203,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     finally:
         if own_flag:
             preempt.uninstall()
+        memory.close()
     status.write("completed", m.train.steps)
     if on_finish is not None:
         on_finish(model, sync)

@@ -32,9 +32,14 @@ optimizer step begins. Both are reported; on a GPU use
 from __future__ import annotations
 
 import gc
+import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,20 +88,38 @@ class LiveTensorTracker:
         self.orphans: list[tuple[Sample, int]] = []  # (allocation, upper bound of its free time)
         self._held: set[int] = set()
         self._prof: Any = None
+        self._carried_at_start: dict[int, Sample] = {}
+        self._carried: dict[int, Sample] = {}  # storages alive at the end of the previous segment
+        self._first_step_end: int | None = None  # when the first optimizer step ended (any segment)
+        self.summary: dict[str, Any] = {"peak": 0, "steady_peak": 0, "at": "", "steady_at": "", "breakdown": ""}
 
     def __enter__(self) -> LiveTensorTracker:
+        self._start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop(*exc)
+
+    def flush(self) -> None:
+        """Account what the profiler has recorded so far and go on recording (a new segment). The running
+        maxima (`summary`) span every segment; `samples`, `peak()` and `breakdown()` see the last one only,
+        and what is alive is carried over, so a long run keeps only one log window of events in memory."""
+        self._stop()
+        self._start()
+
+    def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         self._prof.__enter__()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _stop(self, *exc: object) -> None:
         gc.collect()  # free what reference cycles still hold, on this thread, while we watch
-        self._prof.__exit__(*exc)
+        self._prof.__exit__(*(exc or (None, None, None)))
         self._held = _held_storages()
         self._read(self._prof.profiler.kineto_results.experimental_event_tree())
         self._prof = None
+        self._summarize()
 
     def _read(self, roots: list[Any]) -> None:
         from trainer.compat import profiler_event_type
@@ -116,14 +139,17 @@ class LiveTensorTracker:
                 windows.setdefault("optimizer", []).append((node.start_time_ns, node.end_time_ns))
             todo.extend((child, (*stack, node.name)) for child in reversed(node.children))
         self.windows = {k: sorted(v) for k, v in windows.items()}
+        if self._first_step_end is None and self.windows.get("optimizer"):
+            self._first_step_end = self.windows["optimizer"][0][1]
         self._account(_chronological(raw))
 
     def _account(self, raw: list[Sample]) -> None:
         """Running totals from the events themselves; orphans (see the module docstring) set aside."""
         steps = [start for start, _ in self.windows.get("optimizer", [])]
-        live: dict[int, Sample] = {}
+        self._carried_at_start = dict(self._carried)
+        live: dict[int, Sample] = dict(self._carried)
         orphans: list[tuple[Sample, int]] = []
-        total, out = 0, []
+        total, out = sum(s.delta for s in live.values()), []
         for s in raw:
             if s.delta > 0:
                 old = live.pop(s.ptr, None)
@@ -147,6 +173,20 @@ class LiveTensorTracker:
             if s.delta > 0 and (s.ptr, s.time_ns) in gone:
                 shift += s.delta
         self.samples = fixed
+        self._carried = {p: s for p, s in live.items() if (s.ptr, s.time_ns) not in gone}
+
+    def _summarize(self) -> None:
+        """Fold this segment's peaks into the running `summary` (with what was alive at the steady peak)."""
+        if not self.samples:
+            return
+        top = self.peak()
+        if top.total > self.summary["peak"]:
+            self.summary |= {"peak": top.total, "at": top.op}
+        steady = [s for s in self.samples if self._first_step_end is not None and s.time_ns >= self._first_step_end]
+        if steady:
+            best = max(steady, key=lambda s: s.total)
+            if best.total > self.summary["steady_peak"]:
+                self.summary |= {"steady_peak": best.total, "steady_at": best.op, "breakdown": self.breakdown(best.time_ns)}
 
     def peak(self, after_ns: int = 0, before_ns: int | None = None) -> Sample:
         """The sample with the most live bytes in [after_ns, before_ns)."""
@@ -157,8 +197,7 @@ class LiveTensorTracker:
 
     def steady_after(self) -> int:
         """When the first optimizer step ended (0 without one): states exist, warm-up is done."""
-        steps = self.windows.get("optimizer", [])
-        return steps[0][1] if steps else 0
+        return self._first_step_end or 0
 
     def steady_peak(self) -> Sample:
         """The peak after the first optimizer step."""
@@ -175,7 +214,7 @@ class LiveTensorTracker:
     def live(self, time_ns: int) -> dict[int, tuple[int, str]]:
         """{ptr: (bytes, allocating op)} of the storages alive right after `time_ns` (orphans excluded)."""
         gone = {(s.ptr, s.time_ns) for s, _ in self.orphans}
-        out: dict[int, tuple[int, str]] = {}
+        out: dict[int, tuple[int, str]] = {p: (s.delta, s.op) for p, s in self._carried_at_start.items()}
         for s in self.samples:
             if s.time_ns > time_ns:
                 break
@@ -195,3 +234,63 @@ class LiveTensorTracker:
         for (op, size), n in total.most_common(top):
             lines.append(f"{n:>12,} = {count[(op, size)]:>3} x {size:>10,}  {op}")
         return "\n".join(lines)
+
+
+class RunMemory:
+    """`logging.memory: tensors` for one rank of a training run: the peak of live tensor bytes, for the
+    metric `peak_tensor_bytes` and for `mantra plan --against` (launchers/plan_against.py).
+
+    On a CPU a LiveTensorTracker runs from before the model is built; each `report` (a log step)
+    accounts the events since the last one, so the peak is the whole run's so far, like
+    `torch.cuda.max_memory_allocated` on a GPU (which is what a GPU reports, with no tracker).
+    Each report also writes <run dir>/memory/rank-<r>.json: the peak, the steady peak (after the first
+    optimizer step: what `mantra plan` predicts) and, on a CPU, what was alive then by allocating op.
+    With `logging.memory: off` every method does nothing and `report` returns None.
+    """
+
+    def __init__(self, run_dir: Path | None, rank: int, device: Any) -> None:
+        self.path = run_dir / "memory" / f"rank-{rank}.json" if run_dir is not None else None
+        self.rank, self.device = rank, device
+        self.tracker: LiveTensorTracker | None = None
+
+    @classmethod
+    def start(cls, run: Any, rank: int, device: Any) -> RunMemory:
+        from trainer.manifest.schema import MemoryTracking
+
+        if run.manifest.logging.memory != MemoryTracking.tensors:
+            return cls(None, rank, device)
+        out = cls(Path(run.run_dir), rank, device)
+        if device.type == "cpu":
+            if rank == 0:
+                log.warning("logging.memory: tensors records every CPU allocation through the profiler: "
+                            "steps run several times slower; leave it off for real training")
+            out.tracker = LiveTensorTracker().__enter__()
+        else:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+
+    def report(self, step: int) -> int | None:
+        """The peak of live tensor bytes so far (None when off); writes this rank's record."""
+        if self.path is None:
+            return None
+        if self.tracker is not None:
+            self.tracker.flush()
+            record = {"device": "cpu"} | self.tracker.summary
+        else:
+            import torch
+
+            peak = torch.cuda.max_memory_allocated(self.device)
+            record = {"device": torch.cuda.get_device_name(self.device), "peak": peak, "steady_peak": peak}
+        record = {"rank": self.rank, "step": step} | record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self.path)
+        return int(record["peak"])
+
+    def close(self) -> None:
+        if self.tracker is not None and self.tracker._prof is not None:
+            self.tracker._stop()
+        self.tracker = None

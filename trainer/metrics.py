@@ -86,31 +86,25 @@ def _missing(package: str) -> RuntimeError:
 
 
 class ConsoleSink:
-    """A transient rich bar on stderr (only when stdout is a terminal) and one plain line per logged step."""
+    """One plain line per logged step on stdout and, on a terminal, the live progress line between them
+    (trainer/progress.py: step, tokens/s, ETA; nothing of it when piped or under Slurm)."""
     name = "console"
 
-    def __init__(self, total_steps: int, device_type: str | None = None) -> None:
-        self.total_steps, self._progress, self._task = total_steps, None, None
+    def __init__(self, total_steps: int, device_type: str | None = None, tokens_per_step: int | None = None,
+                 first_step: int = 1) -> None:
+        from trainer.progress import live_progress
+
+        self.total_steps = total_steps
         if device_type is None:  # only words the "mfu n/a" note
             import torch
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._mfu_na = "n/a (cpu)" if device_type == "cpu" else "n/a (unknown peak; set logging.peak_tflops)"
-        if sys.stdout.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            if (console := Console(stderr=True)).is_terminal:
-                self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                          TextColumn("loss {task.fields[loss]}"), console=console, transient=True)
+        self._live = live_progress(total_steps, tokens_per_step, first_step)
 
-    def advance(self, step: int, loss: float | None = None) -> None:
-        """Move the bar to `step`; cheap enough for every step, a no-op without a terminal."""
-        if self._progress is None:
-            return
-        shown = "-" if loss is None else f"{float(loss):.4f}"
-        if self._task is None:
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps, loss=shown)
-        self._progress.update(self._task, completed=step, loss=shown)
+    def advance(self, step: int) -> None:
+        """Step `step` is done: cheap enough for every step, a no-op without a terminal."""
+        if self._live is not None:
+            self._live.advance(step)
 
     def format(self, m: dict[str, Any]) -> str:
         """The line printed at a logged step."""
@@ -122,21 +116,23 @@ class ConsoleSink:
             f"loss {num('loss', '.4f')}", f"grad_norm {num('grad_norm', '.3f')}", f"lr {num('lr', '.2e')}",
             f"{num('tokens_per_s', ',.0f')} tok/s",
             f"mfu {self._mfu_na if m['mfu'] is None else format(m['mfu'], '.1%')}",
-            f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}", f"{num('step_time_s', '.3f')} s/step",
-        ] + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
+            f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}",
+        ] + ([] if m.get("peak_tensor_bytes") is None else [f"tensors {m['peak_tensor_bytes'] / 2**30:.2f} GiB"])
+          + [f"{num('step_time_s', '.3f')} s/step"]
+          + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
           + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else []))
 
     def log(self, metrics: dict[str, Any]) -> None:
         line = self.format(metrics)
-        if self._task is not None:  # the live bar owns the terminal: print above it
-            self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if self._live is not None:  # the live line owns the terminal's last line: print above it
+            self._live.print(line)
         else:
             print(line, file=sys.stdout, flush=True)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = self._task = None
+        if self._live is not None:
+            self._live.close()
+            self._live = None
 
 
 class JsonlSink:
@@ -266,7 +262,7 @@ def _wandb_run_id(root: Path, keep: bool) -> str:
 
 
 class Sinks:
-    """The sinks of one run: `log` writes one step to each, `advance` moves the console bar."""
+    """The sinks of one run: `log` writes one step to each, `advance` moves the console's live line."""
 
     def __init__(self, sinks: list[Any], *, every: int = 1, total_steps: int = 0) -> None:
         self.sinks, self.every, self.total_steps, self._closed = tuple(sinks), every, total_steps, False
@@ -275,10 +271,11 @@ class Sinks:
         """Every `logging.every` steps and the last step."""
         return step % self.every == 0 or step == self.total_steps
 
-    def advance(self, step: int, loss: float | None = None) -> None:
+    def advance(self, step: int) -> None:
+        """Step `step` is done (every step; only the console's live line uses it)."""
         for sink in self.sinks:
             if isinstance(sink, ConsoleSink):
-                sink.advance(step, loss)
+                sink.advance(step)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Write one step (keys exactly METRIC_KEYS); the first failing sink raises, naming itself."""
@@ -323,16 +320,20 @@ class Sinks:
 def build_sinks(
     logging_cfg: Any, *, run_dir: Path, run_name: str, total_steps: int, config: dict[str, Any],
     is_rank0: bool, device_type: str | None = None, resume_step: int | None = None,
+    tokens_per_step: int | None = None,
 ) -> Sinks:
     """The sinks named in logging.sinks, on rank 0 only (other ranks get an empty, silent Sinks).
     `resume_step`: the step a resumed run continues after (None for a fresh run): the file sinks drop
     what they hold past it, so each step is reported once.
     wandb with mode disabled is not built (the package need not be installed). `device_type`
-    ("cpu" | "cuda") only words the console's "mfu n/a" note; guessed when omitted."""
+    ("cpu" | "cuda") only words the console's "mfu n/a" note; guessed when omitted. `tokens_per_step`: the
+    console's live line shows tokens/s with it, steps/s without."""
     if not is_rank0:
         return Sinks([], every=logging_cfg.every, total_steps=total_steps)
     run_dir, built = Path(run_dir), []
-    makers = {"console": lambda: ConsoleSink(total_steps, device_type), "jsonl": lambda: JsonlSink(run_dir, resume_step),
+    first_step = 1 if resume_step is None else resume_step + 1
+    makers = {"console": lambda: ConsoleSink(total_steps, device_type, tokens_per_step, first_step),
+              "jsonl": lambda: JsonlSink(run_dir, resume_step),
               "tensorboard": lambda: TensorBoardSink(run_dir, resume_step),
               "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config, resume=resume_step is not None)}
     wandb_off = getattr(logging_cfg.wandb.mode, "value", logging_cfg.wandb.mode) == "disabled"

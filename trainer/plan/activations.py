@@ -175,13 +175,15 @@ def logits_bytes(cfg: ModelSection, micro_batch: int, tp: int, holds_logits: boo
     return {"other": x + keep, "loss": 3 * x + keep + (x if tp > 1 else 0.0), "head_bwd": x + keep, "after": keep, "grad": x}
 
 
-def weight_grad_inputs(cfg: ModelSection, micro_batch: int, p: Precision, tp: int = 1) -> float:
+def weight_grad_inputs(cfg: ModelSection, micro_batch: int, p: Precision, tp: int = 1, sp: bool = False) -> float:
     """Extra bytes per block a microbatch holds between its input-gradient pass (B) and its weight-gradient
     pass (W) in a split-backward schedule: the graph stays (its activations are counted already) and the
-    gradients of every matmul output wait for W: q, k, v, w1, w3 (split over t) and wo, w2 (full)."""
+    gradient of every weight's output waits for W: q, k, v, w1, w3 (split over t), wo, w2 (full), and the
+    two RMSNorm products `weight * x/rms` (fp32 [s, b, h], split only with sequence parallel)."""
     s, b, h, f = cfg.seq_len, micro_batch, cfg.dim, cfg.ffn_dim
     kv = cfg.n_kv_heads * (h // cfg.heads)
-    return p.e * ((s * b * (h + 2 * kv) + 2 * s * b * f) / tp + 2 * s * b * h)
+    norms = 2 * 4 * s * b * h / (tp if sp else 1)
+    return p.e * ((s * b * (h + 2 * kv) + 2 * s * b * f) / tp + 2 * s * b * h) + norms
 
 
 def coefficients(cfg: ModelSection, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> str:

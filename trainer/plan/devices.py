@@ -10,11 +10,19 @@ process sees (`torch.cuda.get_device_properties().total_memory`, which is the
 datasheet's "80 GB" read as GiB, less a little the driver keeps). The host
 CPU's numbers are read from this machine where possible and are otherwise
 rough: plan's times on a CPU are for orientation, its memory is exact.
+
+`--gpu auto` (plan's default) picks the device a manifest will run on:
+`choose_device("auto", "slurm")` is the H100 (a cluster's GPUs, which this
+machine cannot see), `choose_device("auto", "local")` this machine, its
+NVIDIA GPU if nvidia-smi lists one, else its CPU; each answer comes with the
+reason plan prints in its first line.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 from trainer.metrics import DEVICE_PEAK_TFLOPS
@@ -35,6 +43,7 @@ class Device:
     gpus_per_node: int
     precision: str  # what precision "auto" means on it: bf16 (autocast over fp32 master weights) | fp32
     fused_adamw: bool  # torch's fused AdamW kernel (no foreach temporaries)
+    basis: str = ""  # how peak_tflops was arrived at, where it is an estimate (the host CPU)
 
     @property
     def is_gpu(self) -> bool:
@@ -77,21 +86,21 @@ DEVICES: dict[str, Device] = {
 }
 
 
-def _cpuinfo() -> tuple[float, int]:
-    """(GHz, fp32 FLOP per cycle per core) from /proc/cpuinfo: two FMA units of 16 lanes with AVX-512,
-    8 with AVX2 (x2 for multiply-add); 2.5 GHz and AVX2 when it cannot be read."""
-    ghz, flops = 2.5, 32
+def _cpuinfo() -> tuple[float, int, str]:
+    """(GHz, fp32 FLOP per cycle per core, where they came from) from /proc/cpuinfo: two FMA units of 16
+    lanes with AVX-512, 8 with AVX2 (x2 for multiply-add); 2.5 GHz and AVX2 when it cannot be read."""
+    ghz, flops, source = 2.5, 32, "assumed: /proc/cpuinfo unreadable"
     try:
         text = open("/proc/cpuinfo", encoding="utf-8").read()
     except OSError:
-        return ghz, flops
+        return ghz, flops, source
     for line in text.splitlines():
         if line.startswith("cpu MHz"):
-            ghz = float(line.split(":")[1]) / 1000
+            ghz, source = float(line.split(":")[1]) / 1000, "/proc/cpuinfo"
         elif line.startswith("flags"):
             flops = 64 if " avx512f" in line else 32
             break
-    return ghz, flops
+    return ghz, flops, source
 
 
 def host_cpu() -> Device:
@@ -101,26 +110,75 @@ def host_cpu() -> Device:
     links: ranks on one host talk through gloo over loopback, ~2 GB/s in practice on these machines.
     """
     cores = os.cpu_count() or 1
-    ghz, per_cycle = _cpuinfo()
+    ghz, per_cycle, source = _cpuinfo()
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     except (ValueError, OSError, AttributeError):
         ram = 16.0
-    return Device("cpu", f"host CPU ({cores} cores)", cores * ghz * per_cycle / 1e3, hbm_gib=round(ram, 1),
-                  hbm_gbps=20, intra_gbps=2, inter_gbps=1, gpus_per_node=cores, precision="fp32", fused_adamw=False)
+    peak = cores * ghz * per_cycle / 1e3
+    basis = (f"assumed peak {peak * 1e3:,.0f} GFLOP/s fp32 = {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
+             f"({'AVX-512' if per_cycle == 64 else 'AVX2'}, {source})")
+    return Device("cpu", f"host CPU ({cores} cores)", peak, hbm_gib=round(ram, 1), hbm_gbps=20, intra_gbps=2,
+                  inter_gbps=1, gpus_per_node=cores, precision="fp32", fused_adamw=False, basis=basis)
 
 
 def device_names() -> list[str]:
     return [*DEVICES, "cpu"]
 
 
+def local_gpu() -> tuple[str | None, str]:
+    """(the name of this machine's first NVIDIA GPU as nvidia-smi gives it, or None; how that was found): none
+    when CUDA_VISIBLE_DEVICES hides them all (as the run itself would see), without nvidia-smi, or when it lists
+    none. Torch-free: plan never imports torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return None, "CUDA_VISIBLE_DEVICES hides every GPU"
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None, "no nvidia-smi on PATH"
+    try:
+        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None, "nvidia-smi did not answer"
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return (names[0], "nvidia-smi") if out.returncode == 0 and names else (None, "nvidia-smi lists none")
+
+
+def _this_machine() -> tuple[Device, str]:
+    gpu, how = local_gpu()
+    if gpu is None:
+        cpu = host_cpu()
+        return cpu, f"this machine, no GPU ({how}); {cpu.basis}"
+    known = [key for key in DEVICES if key in gpu.lower().replace(" ", "")]
+    if known:
+        return DEVICES[known[0]], f"this machine's GPU ({gpu}, from {how})"
+    return DEVICES["h100"], f"assumed: this machine's GPU ({gpu}) is not in plan's table; choose with --gpu"
+
+
+def choose_device(key: str, launcher: str = "local") -> tuple[Device, str]:
+    """The device to plan for and why, for --gpu KEY (auto | h100 | h200 | a100 | b200 | cpu).
+
+    auto: a Slurm manifest runs on a cluster's GPUs, which this machine cannot see: the H100, said to be the
+    default; a local manifest runs here: this machine's GPU (nvidia-smi) or, without one, its CPU."""
+    key = key.lower()
+    if key == "auto":
+        if launcher == "slurm":
+            return DEVICES["h100"], "--gpu h100, the default for a Slurm manifest; choose with --gpu"
+        return _this_machine()
+    device = get_device(key)
+    return device, (f"--gpu cpu: this machine; {device.basis}" if key == "cpu" else f"--gpu {key}")
+
+
 def get_device(key: str) -> Device:
-    """The device for --gpu KEY (h100 | h200 | a100 | b200 | cpu); KeyError naming the choices otherwise."""
+    """The device for --gpu KEY (h100 | h200 | a100 | b200 | cpu, or auto: this machine's GPU, else its CPU);
+    KeyError naming the choices otherwise."""
     key = key.lower()
     if key == "cpu":
         return host_cpu()
+    if key == "auto":
+        return _this_machine()[0]
     if key not in DEVICES:
-        raise KeyError(f"unknown device '{key}'; use one of {', '.join(device_names())}")
+        raise KeyError(f"unknown device '{key}'; use one of auto, {', '.join(device_names())}")
     return DEVICES[key]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 from trainer.manifest import Resolved
 from trainer.manifest.schema import OptimizerName, Precision, Schedule
@@ -21,7 +22,7 @@ from trainer.plan import activations as act
 from trainer.plan import memory
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, predict
-from trainer.plan.shapes import llama_params, local_numel, plan_buckets, rank_layers, stage_ranks
+from trainer.plan.shapes import local_numel, params_by_part, plan_buckets, rank_layers, stage_ranks
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 IMBALANCE_HINT = 1.05  # slowest pipeline rank / mean above which plan shows what stage_layers: balanced gives
@@ -128,12 +129,17 @@ def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
     p = run.manifest.parallel
     if p.pp == 1:
         return [memory.moments_without_pipeline(run.batch.microbatches)]
+    return list(_schedule_moments(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages))
+
+
+@functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
+def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[memory.Moment, ...], ...]:
     from trainer.parallel.pipeline import Kind
     from trainer.plan.schedule import lists
 
-    last, v = p.pp * p.virtual_stages - 1, p.virtual_stages
+    last = pp * v - 1
     out = []
-    for actions in lists(p.schedule.value, p.pp, run.batch.microbatches, v):
+    for actions in lists(schedule, pp, microbatches, v):
         held = pending = head = 0
         warm, seen = False, set()
         for a in actions:
@@ -142,56 +148,84 @@ def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
                 head += a.stage == last
                 continue
             if a.kind in (Kind.B, Kind.BW):
-                seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last))
+                seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last, split=a.kind == Kind.B))
             if a.kind == Kind.B:
                 pending += 1
                 continue
             pending -= a.kind == Kind.W
             held, warm = held - 1, True
             head -= a.stage == last
-        out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss))))
-    return out
+        out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss, m.split))))
+    return tuple(out)
 
 
 def _inflight(moments: tuple[memory.Moment, ...]) -> float:
     return max((m.held for m in moments), default=0.0)
 
 
-@functools.lru_cache(maxsize=8)  # `--search` asks for the peak first, then for the whole estimate of what fits
-def _memory(run: Resolved, device: Device) -> tuple[tuple[RankRow, ...], tuple[memory.Setup, ...], list[list[int]], tuple[int, ...]]:
-    """Per pipeline rank, its memory row and its Setup; the blocks per rank and per virtual stage."""
+class _Cut(NamedTuple):
+    """How a run's model is cut over its pipeline ranks (what every rank's memory row starts from)."""
+
+    bf16: bool
+    counts: tuple[int, ...]  # blocks per virtual stage
+    layers: list[list[int]]  # block indices per pipeline rank
+    last_rank: int  # the rank with the head and the loss
+    moments: list[tuple[memory.Moment, ...]]
+    parts: tuple  # shapes.params_by_part: (embedding, per-block parameters, final norm and head)
+
+
+def _cut(run: Resolved, device: Device) -> _Cut:
     from trainer.parallel.pipeline.balance import stage_counts
 
-    m = run.manifest
-    cfg, p, train = m.model, m.parallel, m.train
+    cfg, p = run.manifest.model, run.manifest.parallel
     if cfg.kind != "llama":
         raise ValueError(f"mantra plan knows the llama model only, not model.kind '{cfg.kind}'")
-    bf16 = is_bf16(run, device)
     v_style = p.schedule == Schedule.zb_v
     counts = stage_counts(run) if p.pp > 1 else (cfg.layers,)  # the split the runtime uses (balance.py)
     layers = rank_layers(cfg.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
-    moments = _moments(run)
-    params = llama_params(cfg)
+    return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), params_by_part(cfg))
+
+
+def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, memory.Setup]:
+    """Pipeline rank r's memory row and its Setup."""
+    m = run.manifest
+    cfg, p, train = m.model, m.parallel, m.train
+    bf16, last_rank, moments = cut.bf16, cut.last_rank, cut.moments
+    embed, blocks, head = cut.parts
     sp = p.sequence_parallel and p.tp > 1
-    rows, setups = [], []
-    for r in range(p.pp):
-        held = set(layers[r])
-        tied_copy = cfg.tie_embeddings and r == last_rank  # the tied head's copy of the embedding (tied.py)
-        mine = tuple(q for q in params if (q.layer in held) or (q.part == "embed" and (r == 0 or tied_copy))
-                     or (q.part == "head" and r == last_rank))
-        s = memory.Setup(
-            params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,
-            dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
-            bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
-            moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
-            adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg, pp=p.pp,
-            grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4)
-        setups.append(s)
-        pt = memory.peak(s)
-        rows.append(RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
-                            pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total))
-    return tuple(rows), tuple(setups), layers, counts
+    held = set(cut.layers[r])
+    tied_copy = cfg.tie_embeddings and r == last_rank  # the tied head's copy of the embedding (tied.py)
+    mine = ((embed if (r == 0 or tied_copy) else ()) + tuple(q for i in sorted(held) for q in blocks[i])
+            + (head if r == last_rank else ()))  # registration order, as model.named_parameters()
+    s = memory.Setup(
+        params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,
+        dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
+        bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
+        moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
+        adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg, pp=p.pp,
+        grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu)
+    pt = memory.peak(s)
+    row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
+                  pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
+    return row, s
+
+
+@functools.lru_cache(maxsize=8)  # peak_bytes, estimate and `plan --against` ask for the same run in turn
+def _memory(run: Resolved, device: Device) -> tuple[tuple[RankRow, ...], tuple[memory.Setup, ...], list[list[int]], tuple[int, ...]]:
+    """Per pipeline rank, its memory row and its Setup; the blocks per rank and per virtual stage."""
+    cut = _cut(run, device)
+    pairs = [_rank(run, device, cut, r) for r in range(run.manifest.parallel.pp)]
+    return tuple(row for row, _ in pairs), tuple(s for _, s in pairs), cut.layers, cut.counts
+
+
+def fits_memory(run: Resolved, device: Device, capacity: float) -> bool:
+    """peak_bytes(run, device) <= capacity, found rank by rank, stopping at the first rank that does not fit:
+    the first and the last pipeline rank go first (the embedding, the head, the most in flight). `--search`
+    rejects most layouts here, a deep pipeline's for the cost of one rank instead of pp."""
+    cut = _cut(run, device)
+    order = dict.fromkeys([0, cut.last_rank, *range(run.manifest.parallel.pp)])
+    return all(_rank(run, device, cut, r)[0].peak <= capacity for r in order)
 
 
 def peak_bytes(run: Resolved, device: Device | str = "h100") -> float:
@@ -272,6 +306,4 @@ def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:
            "(trainer/plan/flops.py: EFFICIENCY); memory does not depend on it"]
     if p.cp > 1:
         out.append("context parallel is not modelled")
-    if not device.is_gpu and run.dp_shard > 1:
-        out.append("on gloo, reduce-scatter also clones its input for the length of the collective (not counted)")
     return out

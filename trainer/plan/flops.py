@@ -24,6 +24,10 @@ Predicted step time on one rank:
       pipeline p2p inside the simulator
     + the optimizer step, memory-bound: 28 bytes read and written per owned parameter / HBM bandwidth
 
+Without a pipeline, compute is at least the time to launch its kernels (LAUNCH_FLOOR_S): a model so small
+that its FLOPs take microseconds (tiny-cpu on an H100) is bound by the host issuing ~100 ops per block
+and microbatch, not by the device, and a plan that ignored it would promise tens of millions of tokens/s.
+
 Ring collectives over n ranks move (n-1)/n of the buffer per rank for a reduce-scatter or all-gather and
 twice that for an all-reduce (nccl-tests' busbw convention); a group inside one node runs at the NVLink
 bandwidth, one that spans nodes at the per-GPU network bandwidth.
@@ -38,6 +42,12 @@ from dataclasses import dataclass
 # 1B model; torchtitan reports ~40-55% for Llama 3 8B on H100s, docs/plan-vs-published.md). An assumption,
 # the largest single source of error in the predicted time; the memory prediction does not depend on it.
 EFFICIENCY = 0.5
+# Ops one block issues per microbatch, forward and backward (eager: ~32 forward: two RMSNorms of ~6 ops,
+# 7 matmuls, RoPE ~8, attention, SiLU, products, residual adds; the backward about twice that), and the
+# host's time per op: ~5 µs per CUDA kernel launch, ~10 µs per eager op dispatched on a CPU. A floor, not
+# a model: it only matters when it exceeds the FLOP time, i.e. for toy models.
+OPS_PER_BLOCK, OPS_HEAD = 96, 24
+LAUNCH_FLOOR_S = {"gpu": 5e-6, "cpu": 10e-6}
 CPU_EFFICIENCY = 0.5  # tiny-cpu's 7,800 tokens/s (README) x 2.1e7 FLOPs/token on a 2-core AVX-512 peak of 0.33 TFLOP/s
 
 
@@ -202,6 +212,9 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p))
     compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
     bubble = sim.makespan / 1e3 - compute
+    if x.pp == 1:
+        ops = x.microbatches * (max(x.rank_layers) * OPS_PER_BLOCK + OPS_HEAD)
+        compute = max(compute, ops * LAUNCH_FLOOR_S["gpu" if device.is_gpu else "cpu"])
     # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
     per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * cfg.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
     tp_s = max(x.rank_layers) * x.microbatches * per_block

@@ -34,8 +34,14 @@ The peak is the largest of a few points of the step (`Point`): the loss backward
 (all activations + the logits region), the head's backward (+ the first gradients,
 zero2's first bucket, zero3's gathered root and prefetched block), the first block's
 backward (+ its gradients, zero3's gathered block, recompute's working set), the
-optimizer step (+ its temporaries), zero1/2's parameter all-gather and, for zero3 with pp,
-the reduce-scatter at the end of the step.
+optimizer step (+ its temporaries), zero1/2's parameter all-gather and first gradient
+reduce-scatter, zero3's block all-gathers (the first block's, and the second's with the first's
+reduce-scatter input still held), the end of a split backward's input-gradient pass (B) and, for
+zero3 with pp, the reduce-scatter at the end of the step.
+
+Collectives on gloo (`Setup.gloo`: planned for a CPU) allocate what NCCL does not: all-gather
+receives into its own buffer of the output's size, reduce-scatter clones its input for the length
+of the collective. Both were found with trainer/memtrack.py's breakdown by allocating op (#12).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class Moment:
     warm: bool = False  # gradients of earlier microbatches of this step exist
     head: int = 0  # microbatches whose loss activations the last stage holds (this one included)
     at_loss: bool = True  # this backward starts at the loss (on the last stage)
+    split: bool = False  # an input-gradient pass (B) whose weight-gradient pass (W) runs later: its graph stays
 
 
 def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
@@ -107,6 +114,7 @@ class Setup:
     cfg: object = field(repr=False, default=None)  # the ModelSection
     pp: int = 1  # pipeline degree (zero3 keeps a stage whole for the step when pp > 1)
     grad_bytes: int = 4  # zero3 with pp: bytes of a whole gradient element (2 with bf16 params and reduce)
+    gloo: bool = False  # collectives over gloo (CPU): they allocate temporaries NCCL does not (see `points`)
 
     @property
     def mode(self) -> str:
@@ -158,18 +166,38 @@ def states(s: Setup) -> dict[str, float]:
         out["whole_params"] = unit * sum(fsdp_numel(p, s.tp, s.dp_shard)[1] for p in s.params) if s.whole_step else 0.0
     elif s.mode in ("none", "zero1", "zero2"):
         shards = 1 if s.mode == "none" else s.dp_shard
-        plan = plan_buckets([local_numel(p, s.tp) for p in reversed(s.params)], max(s.bucket_bytes // 4, 1), shards)
+        backward_order = list(reversed(s.params))
+        plan = plan_buckets([local_numel(p, s.tp) for p in backward_order], max(s.bucket_bytes // 4, 1), shards)
         owned = plan.shard_total if shards > 1 else total
         grad = 4 * (plan.shard_total if s.mode == "zero2" else plan.total)
         out |= {"params": 4 * total, "owned": owned, "owned_decayed": decayed * owned / max(total, 1),
                 "grad_persistent": grad, "grad_step": grad, "bucket": 4 * plan.largest, "bucket_shard": 4 * plan.largest / shards,
-                "buckets": len(plan.sizes), "tensors": len(s.params) / shards + len(plan.sizes)}
+                "buckets": len(plan.sizes), "tensors": len(s.params) / shards + len(plan.sizes),
+                "first_bucket": 4 * plan.sizes[0]}
+        left, completing = _first_bucket(backward_order, plan.sizes[0], s.tp)
+        out |= {"blocks_after_first_bucket": left, "completing_grad": 4 * completing}
     else:  # local
         out |= {"params": 4 * total, "owned": total, "owned_decayed": decayed, "grad_persistent": 0.0,
                 "grad_step": 4 * total, "tensors": len(s.params)}
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
     return out
+
+
+def _first_bucket(backward_order: list[Param], first_bucket: int, tp: int) -> tuple[int, int]:
+    """When the first gradient bucket (`first_bucket` elements, filled in backward order) is complete: the blocks
+    whose backward has not finished (their activations are alive) and the elements of the gradient that
+    completed it (its .grad is still referenced while the bucket's reduce-scatter is launched)."""
+    inside, seen, last = set(), 0, 0
+    for p in backward_order:
+        n = local_numel(p, tp)
+        if seen + n > first_bucket and seen > 0:
+            break
+        seen, last = seen + n, n
+        inside.add(id(p))
+    blocks = {p.layer for p in backward_order if p.layer is not None}
+    left = sum(1 for layer in blocks if any(id(p) not in inside for p in backward_order if p.layer == layer))
+    return left, last
 
 
 def _tp_embedding_grad(s: Setup) -> float:
@@ -195,7 +223,7 @@ def _sizes(s: Setup) -> dict[str, float]:
                    and (q.part == "head" or s.recompute == "none"))
     return st | {
         "block": act.block_bytes(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
-        "wgrad": act.weight_grad_inputs(cfg, s.micro_batch, p, s.tp),
+        "wgrad": act.weight_grad_inputs(cfg, s.micro_batch, p, s.tp, s.sp),
         "head_per": act.on_rank(act.head_terms(cfg, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
         "ws": act.working_set(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
         "casts": 2 * matrices if p.casts else 0.0,
@@ -246,6 +274,31 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
         left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
         out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
                          logits=left, buffers=other + autocast + extra + tmp, **base))
+        if m.split:  # the end of this microbatch's B on the rank: its own W inputs (and logits' gradient) now wait too
+            own = s.layers * z["wgrad"] / s.chunks
+            out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + head_per * n_others + head,
+                             logits=others + (lg["grad"] if s.last and m.at_loss else 0.0), buffers=other + autocast + 4 * sbh,
+                             **base))
+        if s.mode == "zero3" and not s.whole_step:
+            out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + tmp)
+    return out
+
+
+def _zero3_block_points(s: Setup, z: dict[str, float], m: Moment, base: dict, acts: float, new: float, g_before: float,
+                        left: float, heads: float, other: float) -> list[Point]:
+    """zero3 block by block (FSDP2): a block's pre-backward gathers it and prefetches the next one (on gloo with
+    a receive buffer of the gathered size besides the output); its post-backward reduce-scatters the block's
+    whole gradients from an input buffer FSDP keeps until the next block's reduce-scatter starts. So from the
+    second block on (last microbatch: the others skip the reduce-scatter) one block's gradients more are alive."""
+    gather = z["u_root"] + z["u_blk"] + z["ag_blk"] * (2 if s.gloo else 1)
+    root_grads = new - z["g_blk"]  # the root unit's (head's) gradients, reduced at the very end
+    out = [Point("block all-gather", grads=g_before + root_grads, activations=acts + heads, logits=left,
+                 buffers=other + gather, **base)]
+    if s.layers > 1 and m == s.moments[-1]:
+        kept = z["g_blk"] + z["g_blk"] / s.dp_shard  # the previous block's reduce-scatter input and its output shard
+        fewer = acts - m.held * z["block"]
+        out.append(Point("second block all-gather", grads=g_before + root_grads + kept, activations=fewer + heads, logits=left,
+                         buffers=other + gather, **base))
     return out
 
 
@@ -263,9 +316,25 @@ def points(s: Setup) -> list[Point]:
                          buffers=other))
     if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
         n = min(st["buckets"], MAX_IN_FLIGHT + 1)
+        # per bucket in flight: the whole bucket, this rank's updated slices packed (a clone), and on gloo
+        # the collective's own receive buffer of the whole bucket (NCCL gathers in place)
+        gathered = st["bucket"] * (2 if s.gloo else 1) + st["bucket_shard"]
         out.append(Point("parameter all-gather", grads=st["grad_persistent"], activations=0.0, logits=0.0,
-                         buffers=other + n * (st["bucket"] + st["bucket_shard"]), **base))
+                         buffers=other + n * gathered, **base))
+        out.append(_first_reduce_scatter(s, st, base, other))
     return out
+
+
+def _first_reduce_scatter(s: Setup, st: dict[str, float], base: dict, other: float) -> Point:
+    """zero1/zero2: the first bucket's reduce-scatter, launched once backward has filled it (buckets.py): the
+    blocks not yet through their backward still hold activations; the bucket's shard-sized output, zero2's
+    whole bucket, the gradient that completed it and, on gloo, a clone of the bucket (`_reduce_scatter_base`
+    copies its input for the length of the collective) are alive with the persistent gradients."""
+    first, shards = st["first_bucket"], s.dp_shard
+    grads = st["grad_persistent"] + first / shards + (first if s.mode == "zero2" else 0.0) + st["completing_grad"]
+    acts = st["blocks_after_first_bucket"] * act.block_bytes(s.cfg, s.micro_batch, s.recompute, s.precision, s.tp, s.sp)
+    return Point("gradient reduce-scatter", grads=grads, activations=acts, logits=0.0,
+                 buffers=other + (first if s.gloo else 0.0), **base)
 
 
 def peak(s: Setup) -> Point:

@@ -18,8 +18,9 @@ are ranked by predicted step time among those whose predicted peak fits.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from trainer.manifest.source import SourceTree, apply_override, load_source
 from trainer.manifest.validate import validate_schema
 from trainer.parallel.pipeline.balance import stage_counts
 from trainer.plan.devices import Device, get_device, usable_bytes
-from trainer.plan.estimate import Estimate, estimate, peak_bytes
+from trainer.plan.estimate import Estimate, estimate, fits_memory
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
 RECOMPUTE = ("none", "selective", "full")
@@ -62,8 +63,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=4096)
 def _parse(override: str) -> tuple[tuple[str, ...], object]:
-    """`section.key=value` -> (path, value), the value read as YAML as `--set` reads it."""
+    """`section.key=value` -> (path, value), the value read as YAML as `--set` reads it. Cached: a search
+    sets the same few hundred strings on thousands of layouts, and yaml.safe_load took a tenth of its time.
+    (Values are scalars, so sharing one between layouts is safe.)"""
     key, _, raw = override.partition("=")
     return tuple(key.split(".")), yaml.safe_load(raw)
 
@@ -81,7 +85,7 @@ def _validate(tree: SourceTree, overrides: Sequence[str], source: str) -> Resolv
     t = SourceTree(data, tree.source, tree.key_locations, tree.value_locations)
     try:
         manifest, errors = validate_schema(t)
-        if manifest is None or any(d.severity == "error" for d in check(manifest, t)):
+        if manifest is None or any(d.severity == "error" for d in check(manifest, t, data_files=False)):
             return None
         return resolve(manifest, source)
     except (ManifestError, Unresolvable):
@@ -165,10 +169,12 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
 
 
 def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device: Device | str = "h100",
-           overrides: Sequence[str] = (), top: int = 5, efficiency: float | None = None) -> SearchResult:
-    """The `top` fastest layouts of `path` on `gpus` devices that fit in `gpu_mem` GiB each (see the module docstring)."""
+           overrides: Sequence[str] = (), top: int = 5, efficiency: float | None = None,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """The `top` fastest layouts of `path` on `gpus` devices that fit in `gpu_mem` GiB each (see the module
+    docstring). `progress(done, total)` is called as layouts are tried (`mantra plan --search` draws it)."""
     device = get_device(device) if isinstance(device, str) else device
-    base, _ = load_manifest(path, overrides)
+    base, _ = load_manifest(path, overrides, data_files=False)
     tree = load_source(path)
     for o in overrides:
         apply_override(tree, o)
@@ -177,8 +183,13 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
     capacity = usable_bytes(device, gpu_mem)
     fitting: list[Candidate] = []
     seen: set[tuple] = set()
+    total = sum(1 for _ in layouts(base, gpus, device)) if progress else 0  # enumerating alone is cheap
+    if progress:
+        progress(0, total)
     for extra in layouts(base, gpus, device):
         tried += 1
+        if progress and (tried % 50 == 0 or tried == total):
+            progress(tried, total)
         run = _validate(tree, extra, str(path))
         if run is None:
             continue
@@ -190,7 +201,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
             continue
         seen.add(key)
         valid += 1
-        if peak_bytes(run, device) > capacity:  # memory first: most layouts stop here, before the time model
+        if not fits_memory(run, device, capacity):  # memory first: most layouts stop here, before the time model
             continue
         plan = estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency, compare=False)
         if plan.fits:
@@ -202,7 +213,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
             break
         line = _changes(base, c.overrides)
         try:
-            load_manifest(path, [*overrides, *line])  # the real entry point, with the very --set strings printed
+            load_manifest(path, [*overrides, *line], data_files=False)  # the real entry point, with the very --set strings printed
         except (ManifestError, Unresolvable):
             continue
         best.append(Candidate(tuple(line), c.estimate))

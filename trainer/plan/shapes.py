@@ -11,6 +11,7 @@ embedding row-wise on the vocabulary (dim 0); norm weights are replicated.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,21 +24,26 @@ ALIGN = 16  # trainer.parallel.buckets.ALIGN: elements per shard quantum
 
 @dataclass(frozen=True)
 class Param:
+    """One parameter. Its derived numbers are cached on it: `plan --search` asks for them millions of times."""
+
     name: str  # the FQN in the unwrapped model
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim tensor parallel shards (None: replicated)
     layer: int | None  # the block it belongs to; None for the embedding, final norm and head
 
-    @property
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_local_numel", {})  # tp -> local_numel; not a field: eq and hash ignore it
+
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def is_matrix(self) -> bool:
         """AdamW decays it (trainer.optim: ndim >= 2)."""
         return len(self.shape) >= 2
 
-    @property
+    @functools.cached_property
     def part(self) -> str:
         if self.layer is not None:
             return "block"
@@ -46,6 +52,11 @@ class Param:
 
 def llama_params(cfg: ModelSection) -> list[Param]:
     """Every parameter of trainer.models.llama.model.Transformer, in registration order."""
+    return list(_llama_params(cfg))
+
+
+@functools.lru_cache(maxsize=64)  # a search builds the same model's list for every layout it tries
+def _llama_params(cfg: ModelSection) -> tuple[Param, ...]:
     d, hd = cfg.dim, cfg.dim // cfg.heads
     q, kv, f = cfg.heads * hd, cfg.n_kv_heads * hd, cfg.ffn_dim
     out = [Param("tok_embeddings.weight", (cfg.vocab, d), 0, None)]
@@ -65,7 +76,16 @@ def llama_params(cfg: ModelSection) -> list[Param]:
     out.append(Param("norm.weight", (d,), None, None))
     if not cfg.tie_embeddings:
         out.append(Param("output.weight", (cfg.vocab, d), 0, None))
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def params_by_part(cfg: ModelSection) -> tuple[tuple[Param, ...], tuple[tuple[Param, ...], ...], tuple[Param, ...]]:
+    """llama_params cut in registration order: (the embedding, each block's parameters, the final norm and
+    head), so a pipeline rank's share is assembled without filtering the whole list."""
+    params = _llama_params(cfg)
+    blocks = tuple(tuple(q for q in params if q.layer == i) for i in range(cfg.layers))
+    return (tuple(q for q in params if q.part == "embed"), blocks, tuple(q for q in params if q.part == "head"))
 
 
 def local_shape(p: Param, tp: int) -> tuple[int, ...]:
@@ -78,7 +98,10 @@ def local_shape(p: Param, tp: int) -> tuple[int, ...]:
 
 
 def local_numel(p: Param, tp: int) -> int:
-    return math.prod(local_shape(p, tp))
+    cached = p._local_numel.get(tp)
+    if cached is None:
+        cached = p._local_numel[tp] = math.prod(local_shape(p, tp))
+    return cached
 
 
 def fsdp_numel(p: Param, tp: int, shards: int) -> tuple[int, int]:
