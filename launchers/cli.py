@@ -3,14 +3,16 @@
     mantra validate manifests/tiny-cpu.yaml            # errors as FILE:LINE:COL, exit 2
     mantra run      manifests/tiny-cpu.yaml --nproc 2  # torchrun --standalone, 2 ranks
     mantra dry-run  manifests/tiny-cpu.yaml            # layout, parameters per rank, the command
-    mantra plan     manifests/llama3-8b.yaml           # memory per rank, step time, fits or not (no torch)
+    mantra plan     manifests/llama3-8b.yaml           # memory per rank, step time; exit 0 fits, 3 does not (no torch)
     mantra submit   manifests/tiny-cpu.yaml --wait     # Slurm through submitit; requeue + auto-resume
     mantra schema   > manifests/schema.json            # JSON Schema for editors
     mantra models                                      # installed model kinds
     mantra tokenize corpus.txt --out data/train.bin    # text -> token ids
+    mantra runs                                        # a table of the runs under runs/
+    mantra compare  runs/a runs/b --plot loss.png      # their curves, one line each
 
-Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else; and from `run`: 75 saved on
-SIGTERM/SIGUSR1 (start again to resume), 130 Ctrl-C (saved; a second Ctrl-C aborts), 124 hung.
+Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else; from `plan`: 3 does not fit; and from
+`run`: 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 Ctrl-C (saved; a second Ctrl-C aborts), 124 hung.
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = export_hf(args.checkpoint, args.out, verify=args.verify == "full")
     except (ExportError, FileNotFoundError) as exc:
         raise BadInput(str(exc)) from None
-    print(f"{out}: model.safetensors + config.json (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    print(f"{out}: model.safetensors + config.json + tokenizer.json (load with transformers.AutoModelForCausalLM and "
+          "AutoTokenizer .from_pretrained)")
     return EXIT_OK
 
 

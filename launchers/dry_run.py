@@ -109,7 +109,7 @@ def command_for(run: Resolved) -> list[str]:
     if run.manifest.launcher.kind.value == "slurm":
         return ["mantra", "submit", run.source]
     if run.world_size == 1:
-        return ["mantra", "run", run.source, "(in-process, one rank)"]
+        return ["mantra", "run", run.source]  # one rank: in this process, no torchrun
     return torchrun_command(run, run.run_dir / "manifest.yaml")
 
 
@@ -153,4 +153,5 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
 
         how = {None: "uniform", "balanced": "balanced"}.get(m.parallel.stage_layers, "listed")  # type: ignore[arg-type]
         console.print(f"pipeline split ({how}): layers per virtual stage {list(stage_counts(run))}")
-    console.print("command: " + shlex.join(command_for(run)), soft_wrap=True)
+    where = "  # in-process, one rank" if run.world_size == 1 and run.manifest.launcher.kind.value != "slurm" else ""
+    console.print("command: " + shlex.join(command_for(run)) + where, soft_wrap=True)

@@ -1,4 +1,5 @@
-"""`mantra export CKPT --to hf DIR`: transformers loads the directory and gives our logits."""
+"""`mantra export CKPT --to hf DIR`: transformers loads the directory and gives our logits, the exported
+tokenizer gives the byte ids the run trained on (and back), and `generate` writes text."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 import yaml
 
 from conftest import mantra, merge, tiny_config
+
+TEXT = "def f(x):\n    return x  # ünïcode ✓ \x00\x7f"
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +39,59 @@ def test_export_round_trips_through_transformers(tmp_path, nproc, parallel, tied
     assert (got - expected).abs().max() / expected.abs().max() <= 1e-5
     trained = ours.tok_embeddings.weight
     assert not torch.equal(trained, torch.zeros_like(trained))
+    assert_usable_for_generation(out, hf)
+
+
+def assert_usable_for_generation(out, hf):
+    """The tokenizer transformers finds in the export gives the ids the run trained on (byte values),
+    decodes them back, and `generate` runs on them; every file is 0644."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok(TEXT).input_ids
+    assert ids == list(TEXT.encode()) and tok.decode(ids) == TEXT
+    prompt = tok("def ", return_tensors="pt").input_ids
+    generated = hf.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, 4 + 8) and tok.decode(generated[0]).startswith("def ")
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_export_of_a_missing_directory_says_so(tmp_path):
+    missing = tmp_path / "runs/x/ckpt"
+    proc = mantra("export", str(missing), "--to", "hf", str(tmp_path / "out"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {missing} does not exist; did the run finish?"), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_byte_level_tokenizer_ids_are_the_bytes():
+    """What `data.tokenizer: byte` trains on: ids 0..255 are the UTF-8 bytes, every one of them decodes."""
+    from trainer.export import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    assert tok.get_vocab_size() == 256
+    assert tok.encode(TEXT).ids == list(TEXT.encode()) and tok.decode(list(TEXT.encode())) == TEXT
+    every_byte = bytes(range(256))
+    assert tok.decode(list(every_byte)) == every_byte.decode("utf-8", errors="replace")
+
+
+def test_a_run_with_its_own_tokenizer_exports_that_file(tmp_path):
+    """data.tokenizer names a tokenizer.json: the export holds a copy of it, byte for byte."""
+    from trainer.export import byte_level_tokenizer, write_tokenizer
+    from trainer.manifest.schema import Manifest
+
+    own = tmp_path / "my-tokenizer.json"
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens(["<|end|>"])  # anything that makes it the run's own, not the byte one
+    tokenizer.save(str(own))
+    manifest = Manifest.model_validate(merge(tiny_config("own", tmp_path / "own"), {"data": {"tokenizer": str(own)}}))
+    write_tokenizer(manifest, tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == own.read_bytes()
+
+    own.unlink()
+    with pytest.raises(ValueError, match=f"the run's tokenizer {own} .* is not a file any more"):
+        write_tokenizer(manifest, tmp_path / "again")
 
 
 def test_export_of_a_non_checkpoint_is_one_line(tmp_path):

@@ -1,4 +1,5 @@
-"""Export a checkpoint as a Hugging Face model directory: consolidated safetensors + config.json.
+"""Export a checkpoint as a Hugging Face model directory: consolidated safetensors, config.json and
+the run's tokenizer, so `generate` on the export reads and writes text.
 
     mantra export runs/tiny-cpu/ckpt --to hf out/tiny-hf     # the latest committed step
     mantra export runs/tiny-cpu/ckpt/step-00000150 --to hf out/tiny-hf
@@ -12,11 +13,19 @@ the root's `latest` is followed only to a step directory inside the root, every
 file is checked against COMMITTED's checksums before it is read (verify=True),
 and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
 one line naming the file, exit 2.
+
+The tokenizer is the one the run trained with: a `data.tokenizer: byte` run's
+ids are raw byte values, written as a tokenizer.json whose ids are those bytes
+(so decoding what the model generates gives the same text); a run with its own
+tokenizer.json gets that file copied. Every file is written 0644: an export is
+meant to be shared (safetensors alone would write 0600).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -39,6 +48,9 @@ class ExportError(ValueError):
 
 def resolve_checkpoint(path: Path) -> Path:
     """A step directory the user named, or the one a checkpoint root's `latest` names inside that root."""
+    if not path.exists():
+        raise ExportError(f"{path} does not exist; did the run finish? A completed run saves its last step "
+                          "under <run dir>/ckpt (checkpoint.final: true); give that directory or one of its step-NNNNNNNN")
     if (path / LATEST).exists() or (path / LATEST).is_symlink():  # a checkpoint root: its latest committed step
         try:
             path = read_latest(path)
@@ -92,6 +104,7 @@ def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
         tensors.pop("lm_head.weight")  # tied: transformers re-ties it to the embedding
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(manifest, out)  # first: a missing tokenizer stops the export before the weights are written
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config_kwargs(cfg) | {
         "architectures": ["LlamaForCausalLM"],
@@ -102,4 +115,54 @@ def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
         "eos_token_id": None,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in EXPORTED_FILES:
+        os.chmod(out / name, 0o644)
     return out
+
+
+EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def write_tokenizer(manifest: Manifest, out: Path) -> None:
+    """tokenizer.json (the run's own, or the byte-level one) and the tokenizer_config.json that makes
+    `AutoTokenizer.from_pretrained(out)` load it as a plain fast tokenizer, not the model type's own."""
+    tokenizer = manifest.data.tokenizer
+    if tokenizer == "byte":
+        byte_level_tokenizer().save(str(out / "tokenizer.json"))
+    else:
+        source = Path(os.path.expanduser(tokenizer))  # absolute in a resolved manifest; older ones: the cwd
+        if not source.is_file():
+            raise ExportError(f"the run's tokenizer {source} (data.tokenizer) is not a file any more; "
+                              "put it back, or export from the directory the run was started in")
+        shutil.copyfile(source, out / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": manifest.model.seq_len,
+              "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def byte_level_tokenizer():
+    """A `tokenizers` Tokenizer whose ids are the raw byte values 0..255 of UTF-8 text: what
+    `data.tokenizer: byte` trained on. GPT-2's byte-level pre-tokenizer maps each byte to one printable
+    character; a BPE over exactly those 256 characters and no merges gives each its byte value back,
+    and the byte-level decoder turns ids into bytes and the bytes into text."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:  # pragma: no cover - depends on the environment (transformers needs it too)
+        raise ExportError("writing the byte-level tokenizer.json needs the `tokenizers` package; "
+                          "pip install tokenizers") from None
+
+    vocab = {char: byte for byte, char in gpt2_byte_chars().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table (the one `tokenizers`' ByteLevel uses): printable bytes stand for
+    themselves, the other 68 are shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in table)
+    table |= {b: chr(256 + n) for n, b in enumerate(shifted)}
+    return dict(sorted(table.items()))
