@@ -215,3 +215,17 @@ def test_recompute_with_split_backward_warns(tmp_path, capsys, monkeypatch):
     assert main(["validate", str(path), "--set", "launcher.nproc=2", "--set", "train.micro_batch=2"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if ": warning: " in x)
     assert line.startswith(f"{path}:14:29: warning: train.activation_checkpointing: selective recompute with zb-h1"), line
+
+
+def test_a_batch_written_for_fewer_ranks_names_both_fixes():
+    """`mantra dry-run manifests/tiny-cpu.yaml --nproc 4` (global 16, micro 8): the error offers a larger
+    global batch and the micro batch that keeps the same training, and that micro batch resolves."""
+    from trainer.manifest import ManifestError, load_manifest
+
+    tiny = ROOT / "manifests/tiny-cpu.yaml"
+    with pytest.raises(ManifestError) as err:
+        load_manifest(tiny, ["launcher.nproc=4"], data_files=False)
+    text = err.value.diagnostics[0].render()
+    assert "use a multiple of 32, or keep it with --set train.micro_batch=4" in text, text
+    run, _ = load_manifest(tiny, ["launcher.nproc=4", "train.micro_batch=4"], data_files=False)
+    assert (run.batch.global_batch, run.batch.micro_batch, run.batch.microbatches, run.dp) == (16, 4, 1, 4)

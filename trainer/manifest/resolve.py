@@ -134,7 +134,8 @@ def derive_batch(m: Manifest, dp: int) -> Batch:
         if g % (mb * dp):
             raise Unresolvable(
                 ("train.global_batch",),
-                f"{g} is not divisible by micro_batch·dp = {mb}·{dp}; use a multiple of {mb * dp}",
+                f"{g} is not divisible by micro_batch·dp = {mb}·{dp}; use a multiple of {mb * dp}"
+                + _smaller_micro_batch(g, mb, dp),
             )
         return Batch(g, mb, g // (mb * dp))
     if g != mb * n * dp:
@@ -163,3 +164,12 @@ def resolve(m: Manifest, source: str) -> Resolved:
         batch=batch,
         run_dir=run_dir(m),
     )
+
+
+def _smaller_micro_batch(global_batch: int, micro_batch: int, dp: int) -> str:
+    """The other fix for `--nproc N` on a manifest written for fewer ranks: the largest micro batch
+    below the given one that divides the global batch over dp (same global batch, same training)."""
+    if global_batch % dp:
+        return ""
+    fits = [m for m in range(micro_batch - 1, 0, -1) if (global_batch // dp) % m == 0]
+    return f", or keep it with --set train.micro_batch={fits[0]}" if fits else ""
