@@ -135,7 +135,7 @@ def write_picture(e: Estimate, path: str) -> Path:
 def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | None, as_json: bool,
              timeline: str | None, search: bool, gpus: int | None, efficiency: float | None = None) -> int:
     """What `mantra plan` does; returns the exit code: 0 fits, 3 does not (ManifestError propagates to the CLI)."""
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)  # piped: rows never cut at 80 columns
     if search and not gpus:
         raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
     run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
