@@ -251,6 +251,12 @@ def check_generate(proc: subprocess.CompletedProcess, prompt: str) -> None:
     assert text.startswith(prompt) and len(text) > len(prompt) + 20, text
 
 
+def check_plan_json(proc: subprocess.CompletedProcess, cwd: Path, out: str) -> None:
+    """`mantra plan --json > FILE || echo ...`: the whole plan is in FILE, its verdict is the exit code."""
+    plan = json.loads((cwd / out).read_text())
+    assert plan["exit_code"] in (0, 3) and (plan["exit_code"] == 0) == (not proc.stdout.strip()), (plan["exit_code"], proc.stdout)
+
+
 def check_tokenize(proc: subprocess.CompletedProcess, cwd: Path, out: str) -> None:
     assert (cwd / out).stat().st_size > 0 and re.search(r"[\d,]+ tokens", proc.stdout), proc.stdout
 
@@ -263,7 +269,8 @@ EXPECTED: list[tuple[str, object]] = [
     (r"^mantra run .*--fresh", rf"step {SHORT_STEPS}/{SHORT_STEPS}"),
     (r"^mantra dry-run .*--nproc 4", r"world 4 = "),
     (r"^mantra dry-run .*launcher\.kind=slurm", r"#SBATCH"),
-    (r"^mantra plan (?!.*--search)", r"memory per rank"),
+    (r"^mantra plan (?!.*(--search|--json))", r"memory per rank"),
+    (r"^mantra plan .*--json > (\S+)", lambda proc, cwd, m: check_plan_json(proc, cwd, m.group(1))),
     (r"^mantra plan .*--search", r"the fastest layouts that fit"),
     (r"^mantra plan .*--timeline (\S+)", lambda proc, cwd, m: (cwd / m.group(1)).stat().st_size > 0),
     (r"^mantra submit .*--wait", r"completed"),
