@@ -67,15 +67,21 @@ def rank_threads(nproc: int, environ: Mapping[str, str] = os.environ,
 def run_local(run: Resolved) -> int:
     """Train; returns the exit code: 0 done, 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 saved
     on Ctrl-C (or aborted by a second one), 124 hung (trainer/watchdog.py), 1 a rank failed."""
-    path = write_resolved(run)
     if run.world_size == 1:
         from launchers.rank import run_rank
+        from trainer.preempt import PreemptionFlag
 
-        run_rank(path)  # a stop on a signal leaves through SystemExit(75 or 130) once its checkpoint is committed
+        preempt = PreemptionFlag().install()  # before the run directory exists: a signal then is honoured
+        try:
+            run_rank(write_resolved(run), preempt)
+        finally:
+            preempt.uninstall()  # a stop on a signal leaves through SystemExit(75 or 130) once its checkpoint is committed
         return 0
     from launchers.supervise import supervise  # signals reach every rank; no rank outlives mantra
 
     env, note = rank_threads(run.world_size)
     if note:
         print(f"mantra: {note}", file=sys.stderr, flush=True)
-    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size, env)
+    path = run.run_dir / "manifest.yaml"  # written once SIGTERM/SIGUSR1/SIGINT are held, never before
+    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size, env,
+                     prepare=lambda: write_resolved(run))

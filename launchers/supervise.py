@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from trainer.preempt import INTERRUPT_EXIT_CODE, Interrupted, PreemptionFlag, RequeueRequested
 from trainer.run_status import RunStatus, read_status
@@ -125,9 +126,13 @@ class Supervisor:
         self.hung_since: float | None = None
         self.started = time.time()
 
-    def run(self) -> int:
+    def run(self, prepare: Callable[[], object] | None = None) -> int:
+        """`prepare` runs once the signals are held (writing the run directory), so a signal sent as soon as
+        that directory exists is honoured, never fatal."""
         previous = {sig: signal.signal(sig, lambda signum, frame: self.received.append(signum)) for sig in FORWARDED}
         try:
+            if prepare is not None:
+                prepare()
             self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
                                          preexec_fn=_die_with_parent())
             while True:
@@ -215,10 +220,11 @@ class Supervisor:
         print(f"mantra: {line}", file=sys.stderr, flush=True)
 
 
-def supervise(cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None) -> int:
+def supervise(cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None,
+              prepare: Callable[[], object] | None = None) -> int:
     """Run torchrun with `nproc` ranks under mantra's charge (see the module docstring), in `env` (None:
-    this process's environment); returns mantra's exit code."""
-    return Supervisor(cmd, run_dir, nproc, env).run()
+    this process's environment), after `prepare()` has run with the signals held; returns mantra's exit code."""
+    return Supervisor(cmd, run_dir, nproc, env).run(prepare)
 
 
 # ---------------------------------------------------------------------------- the rank's side

@@ -172,23 +172,25 @@ def test_sigterm_to_the_launcher_alone_before_the_ranks_exist_ends_in_a_save_and
 def test_a_signal_to_a_rank_before_it_has_imported_torch_is_honoured(tmp_path):
     """SIGUSR1 straight to a rank (here a world of one, as torchrun or Slurm start it) while it is still
     importing torch: a clean requeue at the first step boundary, not a rank killed half-started. Its
-    handlers must be in place before torch is loaded, or this test never finds the moment to signal."""
-    from launchers.supervise import handles
-
+    handlers must be in place before torch is loaded, or the signal kills it (-10)."""
     path = write(tmp_path, "early", LONG)
-    proc = subprocess.Popen([sys.executable, "-m", "launchers.rank", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-    def handlers_in_and_torch_not_loaded() -> bool:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            return handles(proc.pid, signal.SIGUSR1) and "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
-        except OSError:
-            return False
-
+    # The rank is started as `python -m launchers.rank`, with one addition: the first `import torch` sends
+    # this process SIGUSR1 before torch loads, the exact moment a scheduler's signal is most likely fatal.
+    signal_at_torch_import = (
+        "import builtins, os, runpy, signal, sys\n"
+        "real_import = builtins.__import__\n"
+        "def import_(name, *args, **kwargs):\n"
+        "    if name.split('.')[0] == 'torch' and 'torch' not in sys.modules:\n"
+        "        builtins.__import__ = real_import\n"
+        "        os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = import_\n"
+        "sys.argv = ['launchers.rank', sys.argv[1]]\n"
+        "runpy.run_module('launchers.rank', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", signal_at_torch_import, str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        wait_until(handlers_in_and_torch_not_loaded, 30, "handlers installed before torch is imported")
-        os.kill(proc.pid, signal.SIGUSR1)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
