@@ -52,6 +52,12 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "pipeline/zb-h1": (2, SMALL, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 1}),
     "pipeline/zb-h2": (2, SMALL, {"pp": 2, "schedule": "zb-h2"}, {"micro_batch": 1}),
     "pipeline/zb-v": (2, SMALL | {"layers": 4}, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}, {"micro_batch": 1}),
+    # recompute under a split backward: B and W each recompute, and what B recomputed waits for W
+    "pipeline/zb-h1-selective": (2, SMALL, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 1, "activation_checkpointing": "selective"}),
+    "pipeline/zb-h1-full": (2, SMALL, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 1, "activation_checkpointing": "full"}),
+    "pipeline/zb-v-selective": (2, SMALL | {"layers": 4}, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2},
+                                {"micro_batch": 1, "activation_checkpointing": "selective"}),
+    "pipeline/1f1b-selective": (2, SMALL, {"pp": 2, "schedule": "1f1b"}, {"micro_batch": 1, "activation_checkpointing": "selective"}),
     # #12's config (19.5M parameters, dp4): the under-prediction that started this
     "issue12/dp4-none": (4, ISSUE, {}, TINY_BATCH),
     "issue12/dp4-zero1": (4, ISSUE, {"optimizer_sharding": "zero1"}, TINY_BATCH),

@@ -1,8 +1,8 @@
 """`mantra plan` against measured peaks on families of configs tests/test_plan_accuracy.py does not hold,
 each sized so one term dominates: optimizer states and their step (one token row per rank, dp2 none / zero1 /
 zero3, and zero2 with several buckets end to end below), activations (a long sequence under full recompute),
-logits (a 32k vocabulary, alone and vocab-parallel over tp2) and the pipeline schedules the accuracy test
-leaves out (gpipe, interleaved-1f1b, zb-h2). Within ±10% of the largest rank's
+logits (a 32k vocabulary, alone and vocab-parallel over tp2), the pipeline schedules the accuracy test
+leaves out (gpipe, interleaved-1f1b, zb-h2, zb-v) and recompute under a split backward (zb-h1 selective, full). Within ±10% of the largest rank's
 steady peak of live tensor bytes (bench/plan_memory.py runs more of each family; docs/plan.md has its table).
 
 One of them goes end to end through the user's commands: `mantra run` with `logging.memory: tensors` on
@@ -39,6 +39,11 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "pipeline-interleaved-1f1b": (2, SMALL | {"layers": 4}, {"pp": 2, "schedule": "interleaved-1f1b",
                                                              "virtual_stages": 2}, {"micro_batch": 1}),
     "pipeline-zb-h2": (2, SMALL, {"pp": 2, "schedule": "zb-h2"}, {"micro_batch": 1}),
+    "pipeline-zb-v": (2, SMALL | {"layers": 4}, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}, {"micro_batch": 1}),
+    # recompute under a split backward: selective keeps what B recomputed until W, full recomputes again in W
+    "pipeline-zb-h1-selective": (2, SMALL, {"pp": 2, "schedule": "zb-h1"},
+                                 {"micro_batch": 1, "activation_checkpointing": "selective"}),
+    "pipeline-zb-h1-full": (2, SMALL, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 1, "activation_checkpointing": "full"}),
 }
 
 

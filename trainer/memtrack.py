@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import logging
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -110,6 +111,9 @@ class LiveTensorTracker:
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
+        # kineto prints a "USDT: profiler_start/stop" line on stderr at every start and stop (once per segment,
+        # so every step); level 6 is above all of its levels. A user's own KINETO_LOG_LEVEL wins.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         self._prof.__enter__()
 

@@ -195,10 +195,10 @@ def recompute_with_split_backward(m: Manifest) -> Iterator[Finding]:
     if p.pp > 1 and mode != "none" and SCHEDULES.get(p.schedule.value).split_backward:
         yield Finding(
             "train.activation_checkpointing",
-            f"{mode} recompute with {p.schedule.value}: B and W each recompute a block, and a microbatch waiting "
-            "for its W keeps what B recomputed, so it can save less than under 1f1b (measured at pp2 on the last "
-            "stage: selective saved nothing where 1f1b saved 10%, full 21% under both; `mantra plan` counts the "
-            "1f1b saving); prefer 1f1b or interleaved-1f1b when memory is why you recompute",
+            f"{mode} recompute with {p.schedule.value}: B and W each recompute a block, and under selective a "
+            "microbatch waiting for its W keeps what B recomputed, so it can save less than under 1f1b (measured "
+            "at pp2 on the last stage: selective saved nothing where 1f1b saved 10%, full 21% under both; "
+            "`mantra plan` counts both); prefer 1f1b or interleaved-1f1b when memory is why you recompute",
             "warning",
         )
 

@@ -239,7 +239,14 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     """The candidate peaks when one backward starts in moment `m`."""
     cfg, p, st = s.cfg, s.precision, z
     sbh, e = cfg.seq_len * s.micro_batch * cfg.dim, p.e
-    acts = s.layers * (m.held * z["block"] + m.pending_w * z["wgrad"])
+    # a microbatch between its B and its W keeps its weights' output gradients; under selective recompute also
+    # what B recomputed (ws: the whole block less the kept matmul outputs), which the reusable cache hands W;
+    # full recompute drops it after B and W recomputes the block again (measured on one block, tests/test_plan_families)
+    pending = z["wgrad"] + (z["ws"] if s.recompute == "selective" else 0.0)
+    # each held microbatch of a stage that sends on keeps the stage's output (the runtime's root for its backward);
+    # a block counts its input, so this is the one residual-stream tensor per stage and microbatch not counted there
+    outputs = (m.held * s.chunks - (m.head if s.last else 0)) * p.r * sbh / (s.tp if s.sp else 1) if s.pp > 1 else 0.0
+    acts = s.layers * (m.held * z["block"] + m.pending_w * pending) + max(outputs, 0.0)
     head_per = z["head_per"]
     head = head_per * m.head
     lg = act.logits_bytes(cfg, s.micro_batch, s.tp, s.holds_logits)
@@ -275,9 +282,13 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
         out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
                          logits=left, buffers=other + autocast + extra + tmp, **base))
         if m.split:  # the end of this microbatch's B on the rank: its own W inputs (and logits' gradient) now wait too
-            own = s.layers * z["wgrad"] / s.chunks
-            out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + head_per * n_others + head,
-                             logits=others + (lg["grad"] if s.last and m.at_loss else 0.0), buffers=other + autocast + 4 * sbh,
+            own = s.layers * pending / s.chunks
+            # B's last RMSNorm backward (measured on one block: its peak is 4 fp32 [s, b, h] above the saved W
+            # inputs): the gradient arriving at the norm, the residual's, and PowBackward's two temporaries
+            norm_bwd = 4 * 4 * sbh / (s.tp if s.sp else 1)
+            rerun = z["ws"] if s.recompute == "full" else 0.0  # W's recompute of a block under full recompute
+            out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + rerun + head_per * n_others + head,
+                             logits=others + (lg["grad"] if s.last and m.at_loss else 0.0), buffers=other + autocast + norm_bwd,
                              **base))
         if s.mode == "zero3" and not s.whole_step:
             out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + tmp)
