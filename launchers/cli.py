@@ -113,6 +113,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from launchers.plan import PlanInputError, run_plan
 
     try:
+        if args.profile is not None:  # the schedules on measured stage times
+            from launchers.plan_profile import ProfileInputError, plan_profile
+
+            try:
+                return plan_profile(args.manifest, list(args.set or []), args.profile, as_json=args.json)
+            except ProfileInputError as exc:
+                raise BadInput(str(exc)) from None
         if args.against is not None:  # predicted vs measured, per rank
             from launchers.plan_against import plan_against
 
@@ -248,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, metavar="F", help="achievable share of peak FLOP/s (default 0.5)")
     p.add_argument("--against", type=Path, metavar="RUN_DIR",
                    help="compare the predicted peak memory per rank with what RUN_DIR measured")
+    p.add_argument("--profile", type=Path, metavar="RUN_DIR",
+                   help="simulate every schedule with the stage times RUN_DIR measured (logging.profile_pipeline)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("runs", help="a table of runs: state, step, loss, tokens/s, MFU, memory, age")

@@ -40,6 +40,7 @@ SCHEDULES = {
     "zb-h1": {"schedule": "zb-h1"},
     "zb-h2": {"schedule": "zb-h2"},
     "zb-v": {"schedule": "zb-v", "virtual_stages": 2},
+    "zb-auto": {"schedule": "zb-auto", "max_inflight": 3},  # generated from the FLOP model's costs (pp4: below 1F1B's memory)
 }
 TWO_RANKS = {f"pp2-{name}": {"pp": 2} | s for name, s in SCHEDULES.items()} | {
     "pp2-zb-h1-selective": {"pp": 2, "schedule": "zb-h1", "activation_checkpointing": "selective"},  # B and W
@@ -60,6 +61,7 @@ THREE_RANKS = {  # 8 layers do not split evenly over 3 ranks: explicit splits, u
     "pp3-1f1b": {"pp": 3, "schedule": "1f1b", "stage_layers": [3, 3, 2]},
     "pp3-zb-h2": {"pp": 3, "schedule": "zb-h2", "stage_layers": [2, 3, 3]},
     "pp3-zb-v": {"pp": 3, "schedule": "zb-v", "virtual_stages": 2, "stage_layers": [2, 1, 1, 1, 1, 2]},
+    "pp3-zb-auto": {"pp": 3, "schedule": "zb-auto", "stage_layers": [2, 3, 3], "max_inflight": 4},  # uneven stages
 }
 TIED = {"tie_embeddings": True}  # the last stage keeps a copy of the embedding; their gradients are summed
 TIED_TWO = {

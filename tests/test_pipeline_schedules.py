@@ -11,7 +11,7 @@ from trainer.parallel.pipeline import (
 from trainer.parallel.pipeline.actions import BW, F, B, W, comm_batches, from_torch_csv, parse_torch_action
 from trainer.registry import UnknownNameError
 
-NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"]
+NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto"]
 
 
 def shapes() -> list[tuple[str, int, int, int]]:

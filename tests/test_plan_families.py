@@ -75,6 +75,7 @@ def test_run_with_memory_tracking_then_plan_against(tmp_path):
 
     ran = mantra("run", str(path))
     assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "USDT" not in ran.stderr and "profiler_start" not in ran.stderr, ran.stderr[-3000:]  # kineto kept quiet
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 3]
     assert all(isinstance(x["peak_tensor_bytes"], int) and x["peak_tensor_bytes"] > 0 for x in lines), lines

@@ -152,6 +152,24 @@ def schedule_shape(m: Manifest) -> Iterator[Finding]:
 
 
 @rule
+def schedule_memory(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    if p.max_inflight is not None and p.schedule != Schedule.zb_auto:
+        yield Finding("parallel.max_inflight", f"max_inflight shapes schedule zb-auto only, not {p.schedule.value}; "
+                      "set schedule: zb-auto or remove max_inflight")
+    costs = p.schedule_costs
+    if costs is not None and p.schedule != Schedule.zb_auto:
+        yield Finding("parallel.schedule_costs", f"schedule_costs shape schedule zb-auto only, not {p.schedule.value}; "
+                      "set schedule: zb-auto or remove schedule_costs")
+    elif costs is not None and p.pp > 1:
+        stages = p.pp * p.virtual_stages
+        for key in ("f", "b", "w"):
+            if len(getattr(costs, key)) != stages:
+                yield Finding(f"parallel.schedule_costs.{key}", f"{len(getattr(costs, key))} values for "
+                              f"{stages} virtual stages; give one per stage (pp * virtual_stages)")
+
+
+@rule
 def schedule_microbatches(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     if p.pp == 1:

@@ -58,6 +58,7 @@ class Schedule(str, enum.Enum):
     zb_h1 = "zb-h1"
     zb_h2 = "zb-h2"
     zb_v = "zb-v"
+    zb_auto = "zb-auto"
 
 
 class Sharding(str, enum.Enum):
@@ -159,6 +160,20 @@ class ModelSection(Section):
         return self.kv_heads or self.heads
 
 
+Seconds = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+MAX_STAGES = MAX_PP * MAX_VIRTUAL_STAGES  # values in each list of parallel.schedule_costs
+
+
+class ScheduleCosts(Section):
+    """What zb-auto is generated from: F, B and W seconds of one microbatch on each virtual stage."""
+
+    f: tuple[Seconds, ...] = Field(description="forward, per virtual stage", max_length=MAX_STAGES)
+    b: tuple[Seconds, ...] = Field(description="input gradient, per virtual stage", max_length=MAX_STAGES)
+    w: tuple[Seconds, ...] = Field(description="weight gradient, per virtual stage", max_length=MAX_STAGES)
+    comm: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] = Field(
+        0.0, description="one activation or gradient transfer between ranks")
+
+
 class ParallelSection(Section):
     """Parallel degrees. Their product is the world size.
 
@@ -179,6 +194,16 @@ class ParallelSection(Section):
     pp: PositiveInt = Field(1, description="pipeline-parallel degree", le=MAX_PP)
     schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")
     virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank", le=MAX_VIRTUAL_STAGES)
+    max_inflight: PositiveInt | None = Field(
+        None,
+        description="zb-auto only: microbatches of activations a pipeline rank may hold at once (default pp, "
+        "1F1B's and ZB-H1's memory; up to 2*pp-1 lets it reach ZB-H2's bubble)",
+        le=MAX_BATCH,
+    )
+    schedule_costs: ScheduleCosts | None = Field(
+        None, description="zb-auto only: measured seconds of one microbatch per virtual stage, instead of the FLOP "
+        "model (`mantra plan --profile RUN_DIR` prints them)"
+    )
     stage_layers: tuple[Annotated[int, Field(ge=0, le=MAX_LAYERS)], ...] | Literal["balanced"] | None = Field(
         None,
         description="layers of each virtual stage in model order: null (default) uniform, "
@@ -295,6 +320,10 @@ class LoggingSection(Section):
     memory: MemoryTracking = Field(
         MemoryTracking.off, description="tensors: also track the peak of live tensor bytes (CPU; slower), as "
         "peak_tensor_bytes"
+    )
+    profile_pipeline: bool = Field(
+        False, description="each pipeline rank writes the median F, B, W seconds of its stages to "
+        "<run dir>/pipeline/rank-N.json at every log step (`mantra plan --profile RUN_DIR` reads them)"
     )
 
 

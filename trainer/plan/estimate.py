@@ -23,6 +23,7 @@ from trainer.plan import memory
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, predict
 from trainer.plan.shapes import local_numel, params_by_part, plan_buckets, rank_layers, stage_ranks
+from trainer.plan.schedule import schedule_options
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 IMBALANCE_HINT = 1.05  # slowest pipeline rank / mean above which plan shows what stage_layers: balanced gives
@@ -129,17 +130,18 @@ def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
     p = run.manifest.parallel
     if p.pp == 1:
         return [memory.moments_without_pipeline(run.batch.microbatches)]
-    return list(_schedule_moments(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages))
+    return list(_schedule_moments(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages, schedule_options(run)))
 
 
 @functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
-def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[memory.Moment, ...], ...]:
+def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
+                      options: tuple = ()) -> tuple[tuple[memory.Moment, ...], ...]:
     from trainer.parallel.pipeline import Kind
     from trainer.plan.schedule import lists
 
     last = pp * v - 1
     out = []
-    for actions in lists(schedule, pp, microbatches, v):
+    for actions in lists(schedule, pp, microbatches, v, options):
         held = pending = head = 0
         warm, seen = False, set()
         for a in actions:
@@ -297,7 +299,8 @@ def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], b
     return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
-                 share, flops_per_token(m.model), run.tokens_per_step, remat, tuple(counts), ranks)
+                 share, flops_per_token(m.model), run.tokens_per_step, remat, tuple(counts), ranks,
+                 schedule_options(run))
 
 
 def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:

@@ -144,6 +144,7 @@ class Shape:
     rematerialized: float = 0.0  # selective recompute: activation bytes one block rebuilds per microbatch
     stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
     stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
+    schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/schedule.py: schedule_options)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,8 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
     ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
-    sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p))
+    sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
+                   x.schedule_options if x.pp > 1 else ())
     compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
     bubble = sim.makespan / 1e3 - compute
     if x.pp == 1:

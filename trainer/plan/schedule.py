@@ -12,17 +12,46 @@ from trainer.parallel.pipeline import Action, Costs, SimResult, StageLayout, com
 from trainer.parallel.pipeline.schedules import SCHEDULES
 
 
+Options = tuple[tuple[str, object], ...]  # a schedule's keyword options, hashable (zb-auto: costs, max_inflight)
+
+
 @functools.lru_cache(maxsize=512)
-def lists(name: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[tuple[Action, ...], ...]:
+def lists(name: str, pp: int, microbatches: int, virtual_stages: int, options: Options = ()) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, the compute actions (F, B, W, BW) in the order they run."""
-    return tuple(tuple(r) for r in compute_order(name, pp, microbatches, virtual_stages))
+    return tuple(tuple(r) for r in compute_order(name, pp, microbatches, virtual_stages, **dict(options)))
+
+
+def schedule_options(run) -> Options:
+    """What the run's schedule takes beyond its shape; the runtime and plan pass the same, so both hold the
+    same lists. zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
+    the last; no communication: device-free, so every machine generates the same schedule) and
+    parallel.max_inflight (default pp); parallel.schedule_costs instead of the FLOP model where given."""
+    from trainer.parallel.pipeline.balance import stage_counts
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+    from trainer.plan.flops import block_pass_flops, head_pass_flops
+
+    p, cfg = run.manifest.parallel, run.manifest.model
+    if p.pp == 1 or not SCHEDULES.get(p.schedule.value).options:
+        return ()
+    limit = ("max_inflight", p.max_inflight or p.pp)
+    if p.schedule_costs is not None:  # measured (`mantra plan --profile RUN_DIR`)
+        c = p.schedule_costs
+        return (("costs", Costs(tuple(c.f), tuple(c.b), tuple(c.w), c.comm)), limit)
+    counts = stage_counts(run)
+    blk = block_pass_flops(cfg, run.manifest.train.activation_checkpointing.value, True)
+    head, last = head_pass_flops(cfg), len(counts) - 1
+    per = [tuple(float(n * getattr(blk, k) + (getattr(head, k) if s == last else 0.0)) for s, n in enumerate(counts))
+           for k in ("f", "b", "w")]
+    scale = max(per[0]) or 1.0  # relative costs: the slowest forward is 1
+    costs = Costs(*(tuple(x / scale for x in k) for k in per), comm=0.0)
+    return (("costs", costs), limit)
 
 
 def layout(name: str, pp: int, virtual_stages: int) -> StageLayout:
     return StageLayout(pp, virtual_stages, SCHEDULES.get(name).style)
 
 
-def simulate(name: str, pp: int, microbatches: int, virtual_stages: int, costs: Costs) -> SimResult:
+def simulate(name: str, pp: int, microbatches: int, virtual_stages: int, costs: Costs, options: Options = ()) -> SimResult:
     """One step on the clock (async p2p: a transfer takes costs.comm after its producer ends)."""
-    return simulate_ranks(lists(name, pp, microbatches, virtual_stages), layout(name, pp, virtual_stages), costs,
+    return simulate_ranks(lists(name, pp, microbatches, virtual_stages, options), layout(name, pp, virtual_stages), costs,
                           name=name, microbatches=microbatches)

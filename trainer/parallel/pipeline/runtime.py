@@ -51,6 +51,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import LocalSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
+from trainer.parallel.pipeline.profile import StageProfile
 from trainer.parallel.pipeline.schedules import build_schedule
 from trainer.parallel.pipeline.split import activation_shape, build_stages, cross_entropy, layout_for
 from trainer.parallel.tensor import loss_context
@@ -83,7 +84,10 @@ class Pipeline:
     def __init__(self, model: torch.nn.Module, sync, run, mesh, device: torch.device,
                  cost: Mapping[Kind, float] | None = None) -> None:
         m, p = run.manifest, run.manifest.parallel
-        self.schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages)
+        from trainer.plan.schedule import schedule_options  # zb-auto's costs: the same `mantra plan` uses
+
+        self.schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages,
+                                       **dict(schedule_options(run)))
         layout, _ = layout_for(run)
         pp_mesh = mesh["pp"]
         self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
@@ -100,6 +104,11 @@ class Pipeline:
         self.fsdp = hasattr(sync, "pipeline_step")  # zero3: FSDP reduces once, after the step (fsdp.py)
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
+        # logging.profile_pipeline: per-stage F/B/W times, written at each report (profile.py)
+        self.profile = StageProfile(self.pp_rank) if m.logging.profile_pipeline else None
+        self.run_dir = run.run_dir
+        others = [d for d in mesh.root.mesh_dim_names if d != "pp"]  # one writer per pipeline rank: the first replica
+        self._writes_profile = all(mesh[d].get_local_rank() == 0 for d in others)
 
     # -- the step -------------------------------------------------------------------------------
     def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
@@ -114,6 +123,8 @@ class Pipeline:
             loss, timing = self.executor.run(microbatches, self._grad_context, autocast)
         self.sync.finish_backward()
         self.last = timing
+        if self.profile is not None:
+            self.profile.add(timing.spans)
         self._window[0] += timing.busy
         self._window[1] += timing.span
         self._window[2] += 1
@@ -127,6 +138,8 @@ class Pipeline:
         fraction `bubble`. A collective over all ranks: call it on every rank."""
         busy, span, steps = self._window
         self._window = [0.0, 0.0, 0.0]
+        if self.profile is not None and self._writes_profile:
+            self.profile.write(self.run_dir)
         if not steps:
             return {"busy_s": None, "idle_s": None, "bubble": None}
         log.info("pipeline rank %d: busy %.4f s, idle %.4f s per step", self.pp_rank, busy / steps, (span - busy) / steps)

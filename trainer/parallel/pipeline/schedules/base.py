@@ -1,7 +1,8 @@
 """The schedule registry: each schedule module adds one `ScheduleSpec` by name.
 
 A schedule function is pure: (pp, microbatches, virtual_stages) -> one
-compute-only action list per rank. `schedules.build_schedule` adds the
+compute-only action list per rank; one generated from costs (zb-auto) also
+takes the keyword arguments its spec names in `options`. `schedules.build_schedule` adds the
 sends/recvs (`comms.add_comms`) and wraps it in an `actions.Schedule`.
 """
 
@@ -25,6 +26,7 @@ class ScheduleSpec:
     build: ScheduleFn
     style: Style = "loop"
     split_backward: bool = False  # emits separate B and W (zero bubble) instead of BW
+    options: tuple[str, ...] = ()  # keyword arguments `build` takes beyond the shape (zb-auto: costs, max_inflight)
 
 
 SCHEDULES: Registry[ScheduleSpec] = Registry("pipeline schedule", item_type=ScheduleSpec)

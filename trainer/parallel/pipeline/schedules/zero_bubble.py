@@ -46,7 +46,7 @@ from trainer.parallel.pipeline.actions import B, F, W, Action
 from trainer.parallel.pipeline.schedules.base import ScheduleSpec, need_microbatches, register, single_chunk
 
 
-def _split_backward_rank(r: int, microbatches: int, warmup: int, defer: int, f_first: bool) -> list[Action]:
+def split_backward_rank(r: int, microbatches: int, warmup: int, defer: int, f_first: bool) -> list[Action]:
     """One rank's F/B/W order: `warmup` forwards, then per step F and B (F first if `f_first`),
     each B followed by the oldest W once more than `defer` W are pending, the rest of W last."""
     ops = [F(r, mb) for mb in range(warmup)]  # warmup
@@ -71,7 +71,7 @@ def zb_h1(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Acti
     """Compute-only per-rank lists of ZB-H1."""
     single_chunk("zb-h1", virtual_stages)
     need_microbatches("zb-h1", pp, microbatches)
-    return [_split_backward_rank(r, microbatches, min(pp - 1 - r, microbatches), r, f_first=True) for r in range(pp)]
+    return [split_backward_rank(r, microbatches, min(pp - 1 - r, microbatches), r, f_first=True) for r in range(pp)]
 
 
 def zb_h2(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
@@ -80,7 +80,7 @@ def zb_h2(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Acti
     need_microbatches("zb-h2", pp, microbatches)
     short = max(0, 2 * pp - 1 - microbatches)  # microbatches missing for a full warm-up
     return [
-        _split_backward_rank(r, microbatches, min(2 * (pp - 1 - r) + 1, microbatches), max(0, 2 * r - short), f_first=False)
+        split_backward_rank(r, microbatches, min(2 * (pp - 1 - r) + 1, microbatches), max(0, 2 * r - short), f_first=False)
         for r in range(pp)
     ]
 
