@@ -18,6 +18,12 @@
   marker); a restart count above the task's own is Slurm requeueing it (status `requeue`, no
   marker); otherwise the job is being cancelled and status.json says `cancelled`;
 - `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
+- the batch script exits with srun's own exit code (taken the moment srun returns), so a task killed by
+  a signal fails the job instead of leaving it COMPLETED; a node that dies is Slurm's to requeue
+  (`--requeue`), and a job whose ranks found it hung (status.json `hung`, trainer/watchdog.py) the
+  script requeues itself, at most MAX_HANG_REQUEUES times (`hang_requeue`);
+- on several nodes (launcher.slurm.nodes) every task finds its rank and the rendezvous from Slurm alone
+  (`rendezvous_env`) and says where it runs in its log's first line (`where_am_i`);
 - `--requeue`, `--chdir` = the directory `mantra submit` ran in (relative manifest paths hold),
   setup lines before srun, and a pyxis/enroot container when launcher.slurm.container_image is set.
 """
@@ -107,6 +113,7 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
         '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
         '    echo "mantra: scontrol requeue failed; submit again to resume from the checkpoint" >&2',
         "fi",
+        *hang_requeue(runs),
         'exit "$rc"',
     ]
     srun_args = ["--kill-on-bad-exit=1"]
@@ -142,6 +149,25 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
     additional.update(parse_extra(s.extra))
     params["additional_parameters"] = additional
     return params
+
+
+MAX_HANG_REQUEUES = 2  # a hang that comes back on every allocation is the run's own, not a node's
+
+
+def hang_requeue(runs: list[Resolved]) -> list[str]:
+    """Batch-script lines: when a rank's watchdog found the job hung (status.json `hung`, its stacks in the
+    logs: trainer/watchdog.py) the job is requeued like one that lost a node, and resumes from its last
+    committed checkpoint; at most MAX_HANG_REQUEUES times (SLURM_RESTART_COUNT), then it stays FAILED."""
+    dirs = " ".join(shlex.quote(str(r.run_dir.resolve())) for r in runs)
+    return [
+        f"# a rank stopped making progress (train.hang_timeout_s): requeue, at most {MAX_HANG_REQUEUES} times",
+        f"run_dirs=({dirs})",
+        'status="${run_dirs[${SLURM_ARRAY_TASK_ID:-0}]}/status.json"',
+        f'if [ "$rc" != 0 ] && grep -qs \'"state": "hung"\' "$status" && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_HANG_REQUEUES} ]; then',
+        '    echo "mantra: the job hung ($(cat "$status")); requeueing job $SLURM_JOB_ID to resume from its last checkpoint" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "fi",
+    ]
 
 
 def task_command(python: str, folder: Path) -> str:
@@ -184,6 +210,18 @@ def rendezvous_env() -> dict[str, str]:
         "LOCAL_RANK": str(env.local_rank),
         "LOCAL_WORLD_SIZE": str(env.num_tasks // max(env.num_nodes, 1)),
     }
+
+
+def where_am_i() -> str:
+    """One line for this task's log: its rank, node and rendezvous, and the restart it belongs to."""
+    import socket
+
+    env = os.environ
+    restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    again = f"; restart {restarts} of job {env['SLURM_JOB_ID']} (SLURM_RESTART_COUNT={restarts})" if restarts else ""
+    return (f"mantra: rank {env['RANK']} of {env['WORLD_SIZE']} on {socket.gethostname()} "
+            f"(node {env.get('SLURM_NODEID', '0')} of {env.get('SLURM_JOB_NUM_NODES', '1')}, local rank {env['LOCAL_RANK']}); "
+            f"rendezvous {env['MASTER_ADDR']}:{env['MASTER_PORT']}{again}")
 
 
 @contextlib.contextmanager
@@ -299,6 +337,7 @@ def run_task(manifest_path: str) -> dict:
     requeueing the job itself (`after_requeue_exit`)."""
     os.environ.update(rendezvous_env())
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))  # as torchrun does
+    print(where_am_i(), file=sys.stderr, flush=True)
     import logging
 
     from launchers.rank import run_rank

@@ -140,9 +140,9 @@ def wait_for(subs: list[Submitted], poll_s: float = 2.0) -> int:
         for sub in list(remaining):
             st = job_state(sub)
             before = last.get(sub.job_id)
-            if before is not None and st.restarts > before.restarts:
-                print(f"mantra: job {sub.job_id} was requeued (restart {st.restarts}); it resumes from its last "
-                      "committed checkpoint", file=sys.stderr)
+            if st.restarts > (before.restarts if before is not None else 0):
+                print(f"mantra: job {sub.job_id} was requeued (restart {st.restarts}, SLURM_RESTART_COUNT={st.restarts}); "
+                      "it resumes from its last committed checkpoint", file=sys.stderr)
             if st.state == "PENDING" and st.reason not in ("", "None") and (before is None or before.reason != st.reason):
                 print(f"mantra: job {sub.job_id} pending ({st.reason})", file=sys.stderr)
             last[sub.job_id] = st
@@ -167,13 +167,15 @@ def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
             loss = next((v.get("final_loss") for v in values if isinstance(v, dict) and v.get("final_loss") is not None), None)
             steps = next((v.get("steps") for v in values if isinstance(v, dict) and v.get("steps") is not None), None)
             tail = f", {steps} steps, final loss {loss:.4f}" if loss is not None and steps is not None else ""
-            print(f"job {sub.job_id} ({name}) completed: {len(values)} ranks{tail}; run dir {sub.run.run_dir}")
+            again = f" after {st.restarts} restart{'s' * (st.restarts > 1)} (SLURM_RESTART_COUNT={st.restarts})" if st.restarts else ""
+            print(f"job {sub.job_id} ({name}) completed{again}: {len(values)} ranks{tail}; run dir {sub.run.run_dir}")
             continue
         status = 1
         for task, outcome in enumerate(outcomes):
             if task and outcome is not None and outcome[0] == "error":  # rank 0's traceback is in the log above
                 print(f"rank {task} of job {sub.job_id} failed:\n{outcome[1]}", file=sys.stderr)
         reason = f", {st.reason}" if st.reason and st.reason != "None" else ""
+        reason += f", {st.restarts} restart{'s' * (st.restarts > 1)}" if st.restarts else ""
         print(f"error: job {sub.job_id} ({name}) ended {st.state} (exit {st.exit_code or '?'}{reason}); "
               f"rank 0 log: {err}", file=sys.stderr)
     return status

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 from launchers.sbatch import (CANCELLED, REQUEUED, TIMED_OUT, UNKNOWN, WARNED, BadRequest, after_requeue_exit,
                               container_mounts, master_port, parse_extra, rendezvous_env, sbatch_script, stop_cause,
-                              time_minutes)
+                              time_minutes, where_am_i)
 from launchers.slurm import SlurmError, check_one_request, load_runs, rejection
 from launchers.sweep import parse_sweeps, split_values
 from trainer.manifest import ManifestError
@@ -257,3 +257,47 @@ def test_the_time_limit_warning_leaves_the_marker_the_batch_script_requeues_on(t
     assert after_requeue_exit(run_dir / "manifest.yaml", rank=0) == WARNED
     assert json.loads((run_dir / "status.json").read_text())["state"] == "requeue"
     assert [p.name for p in folder.iterdir()] == ["requeue-26"]
+
+
+def test_the_batch_script_exits_with_sruns_code(tmp_path):
+    """A job whose last command succeeds would hide a task killed by a signal (COMPLETED, exit 0): the
+    exit status is taken the moment srun returns, and the script ends with it unless it requeues."""
+    runs, _ = runs_for(tmp_path, "launcher.slurm.nodes=2", "launcher.slurm.gpus_per_node=1")
+    lines = [line for line in sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=False).splitlines()
+             if line.strip() and not line.startswith("#")]
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines[srun + 1] == "rc=$?" and lines[-1] == 'exit "$rc"', lines[srun:]
+    assert "#SBATCH --nodes=2" in sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=False)
+
+
+def test_each_task_says_where_it_runs_and_which_restart(monkeypatch):
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "10096",
+           "SLURM_JOB_ID": "6", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    line = where_am_i()
+    assert line.startswith("mantra: rank 3 of 4 on ") and "(node 1 of 2, local rank 1); rendezvous n1:10096" in line
+    assert "restart" not in line
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert where_am_i().endswith("; restart 2 of job 6 (SLURM_RESTART_COUNT=2)")
+
+
+def test_status_json_counts_slurm_restarts(tmp_path, monkeypatch):
+    from trainer.run_status import RunStatus
+
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    RunStatus(tmp_path, is_rank0=True).write("running", 3)
+    assert "restarts" not in json.loads((tmp_path / "status.json").read_text())
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    RunStatus(tmp_path, is_rank0=True).write("completed", 12)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 12 and status["restarts"] == 1
+
+
+def test_a_hung_job_is_requeued_by_its_script_a_bounded_number_of_times(tmp_path):
+    runs, _ = runs_for(tmp_path, sweeps=("train.seed=1,2",))
+    script = sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=False)
+    assert f"run_dirs=({tmp_path / 'run-seed1'} {tmp_path / 'run-seed2'})" in script  # array element i: run dir i
+    assert '''grep -qs '"state": "hung"' "$status" && [ "${SLURM_RESTART_COUNT:-0}" -lt 2 ]''' in script
+    assert script.index("scontrol requeue") < script.index("run_dirs=") < script.rindex('exit "$rc"')

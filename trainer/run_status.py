@@ -11,7 +11,8 @@ from pathlib import Path
 class RunStatus:
     """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
     step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py); `cancelled` by a Slurm
-    task's rank 0 when the job it saved for is being cancelled, not requeued (launchers/sbatch.py).
+    task's rank 0 when the job it saved for is being cancelled, not requeued (launchers/sbatch.py). Under a
+    requeued Slurm job, `restarts` is SLURM_RESTART_COUNT (absent on a job's first run and outside Slurm).
 
     Launchers read it where the scheduler cannot tell (torchrun's exit code, Slurm without sacct)."""
 
@@ -26,7 +27,11 @@ class RunStatus:
             return  # peers of a hung rank fail when it leaves: the hang is the news, not what it caused
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")  # any rank may write `hung`
-        tmp.write_text(json.dumps({"state": state, "step": step, "error": error, "time": time.time()}) + "\n")
+        record = {"state": state, "step": step, "error": error, "time": time.time()}
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+        if restarts.isdigit():  # a Slurm job that was requeued (node failure, preemption, time limit): how often
+            record["restarts"] = int(restarts)
+        tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, self.path)
 
     def read(self) -> dict:

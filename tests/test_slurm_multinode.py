@@ -1,0 +1,292 @@
+"""`mantra submit` on several nodes, against a real multi-node Slurm on this machine
+(tests/slurm/start-local-slurm.sh --nodes 3: nodes n1..n3, each slurmd in its own network namespace
+with its own IP and hostname; reached with SLURM_CONF=/etc/slurm/multi/slurm.conf).
+
+Ranks on different nodes train like local ranks; a node that dies mid-run (its slurmd, slurmstepd and
+task killed) gets the job requeued by Slurm, and the next allocation (the two nodes still up: the third
+is the spare a real cluster would have) resumes from the last committed checkpoint to the losses of a
+run never interrupted; a task killed alone fails the job. No accounting: nothing here leans on sacct."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, read_jsonl
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TINY_CPU = "manifests/tiny-cpu.yaml"
+NODES = 3  # a 2-node job, and a spare node for the job a node failure requeues
+MULTI_CONF = "/etc/slurm/multi/slurm.conf"
+SLURM_ENV = dict(os.environ, SLURM_CONF=MULTI_CONF, PYTHONUNBUFFERED="1")
+TWO_NODES = ["--set", "launcher.slurm.nodes=2", "--set", "launcher.slurm.gpus_per_node=1"]
+TRAIN = ["--set", "train.steps=12", "--set", "checkpoint.every=4", "--set", "logging.every=1"]
+
+
+def start_cluster() -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "tests/slurm/start-local-slurm.sh"), "--nodes", str(NODES)],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The multi-node local Slurm, started here if it is not (root needed). CI never skips: it fails."""
+    t0 = time.time()
+    if os.geteuid() == 0:
+        proc = start_cluster()
+        if proc.returncode == 0:
+            print(f"\nmulti-node Slurm ready in {time.time() - t0:.1f} s: {proc.stderr.strip()}")
+            yield
+            start_cluster()  # a node a test killed comes back for whoever runs next
+            return
+        why = proc.stderr.strip()[-2000:]
+    else:
+        why = "not root: cannot start slurmd in network namespaces"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"no multi-node local Slurm in CI: {why}")
+    pytest.skip(f"no multi-node local Slurm: {why}")
+
+
+@pytest.fixture
+def jobs():
+    """Job ids a test submitted; any still queued or running at the end are cancelled (by id)."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        subprocess.run(["scancel", job_id], capture_output=True, env=SLURM_ENV)
+
+
+def mantra(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launchers.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=SLURM_ENV)
+
+
+def submit_waiting(run_dir: Path, *settings: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launchers.cli", "submit", TINY_CPU, *settings,
+                             "--set", f"logging.dir={run_dir}", "--wait"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SLURM_ENV)
+
+
+_references: dict[tuple[str, ...], dict[int, float]] = {}
+
+
+def local_losses(tmp_path_factory, *args: str) -> dict[int, float]:
+    """Per-step losses of `mantra run` with these arguments, once per module."""
+    if args not in _references:
+        run_dir = tmp_path_factory.mktemp("local")
+        proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", TINY_CPU, *args,
+                               "--set", f"logging.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _references[args] = losses(run_dir)
+    return _references[args]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [row["step"] for row in rows]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) and want
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+
+
+def scontrol(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=SLURM_ENV).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out.splitlines()[0])) if out.strip() else {}
+
+
+def job_id_of(run_dir: Path) -> str:
+    return wait_until(lambda: next((p.name.split("_")[0] for p in (run_dir / "slurm").glob("*/*_submission.sh")), None),
+                      60, "the submission")
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(what)
+
+
+def logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((row["step"] for row in read_jsonl(path)), default=0) if path.exists() else 0
+
+
+def ranks_on(run_dir: Path, job: str) -> list[tuple[int, str, int]]:
+    """(rank, hostname, restart) from each task's `mantra: rank R of W on HOST` line, every run of the job."""
+    found = []
+    for log in (run_dir / "slurm").glob(f"*/{job}_*_log.err"):
+        for m in re.finditer(r"^mantra: rank (\d+) of \d+ on (\S+) .*?(?:; restart (\d+) of job .*)?$", log.read_text(), re.M):
+            found.append((int(m.group(1)), m.group(2), int(m.group(3) or 0)))
+    return sorted(found, key=lambda r: (r[2], r[0]))
+
+
+def task_pid(job: str, rank: int) -> int | None:
+    """The process of one task of the job (the python that srun started, not srun itself)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"submitit.core._submit" in argv and not argv[0].endswith(b"srun")
+                and f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env):
+            return int(proc.name)
+    return None
+
+
+def kill_node(node: str) -> list[int]:
+    """A node dies: every process in its network namespace (its slurmd, slurmstepd and tasks), SIGKILL."""
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", f"mantra-{node}"], capture_output=True,
+                                           text=True, check=True).stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_two_nodes_one_task_each_equal_two_local_ranks(cluster, jobs, tmp_path, tmp_path_factory):
+    run_dir = tmp_path / "mn"
+    t0 = time.time()
+    proc = submit_waiting(run_dir, *TWO_NODES, *TRAIN)
+    out, err = proc.communicate(timeout=300)
+    print(f"\n2 nodes x 1 task, 12 steps: submit to done {time.time() - t0:.1f} s")
+    job = job_id_of(run_dir)
+    jobs.append(job)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"job {job} (tiny-cpu) completed: 2 ranks, 12 steps" in out
+    info = scontrol(job)
+    assert info["JobState"] == "COMPLETED" and info["NumNodes"] == "2" and info["NumTasks"] == "2", info
+    ranks = ranks_on(run_dir, job)
+    assert [r[0] for r in ranks] == [0, 1] and ranks[0][1] != ranks[1][1], ranks  # one rank per node
+    assert {r[1] for r in ranks} <= {f"n{i}" for i in range(1, NODES + 1)}
+    assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, "--nproc", "2", *TRAIN))
+
+
+def test_two_nodes_two_tasks_each_pp2_dp2_equal_one_process(cluster, jobs, tmp_path, tmp_path_factory):
+    train = ["--set", "train.micro_batch=4", "--set", "train.steps=6", "--set", "logging.every=1"]
+    run_dir = tmp_path / "pp"
+    proc = submit_waiting(run_dir, "--set", "launcher.slurm.nodes=2", "--set", "launcher.slurm.gpus_per_node=2",
+                          "--set", "parallel.pp=2", *train)
+    out, err = proc.communicate(timeout=400)
+    job = job_id_of(run_dir)
+    jobs.append(job)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"job {job} (tiny-cpu) completed: 4 ranks" in out and "world 4 = pp 2 x dp_replicate 2" in err + out
+    hosts = {rank: host for rank, host, _ in ranks_on(run_dir, job)}
+    assert sorted(hosts) == [0, 1, 2, 3] and len(set(hosts.values())) == 2, hosts  # 2 tasks on each of 2 nodes
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts  # ranks in node order, as Slurm numbers tasks
+    assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, *train))  # one process, dp 1, pp 1
+
+
+def test_a_dead_node_requeues_the_job_which_resumes_exactly(cluster, jobs, tmp_path, tmp_path_factory):
+    """Node failure end to end: the surviving rank stops at once (gloo: connection closed), Slurm marks
+    the node DOWN after SlurmdTimeout and requeues the job, which restarts after the requeue hold on the
+    two nodes still up, resumes from the step-4 checkpoint and ends with the losses of a run never
+    interrupted, each step logged once; --wait follows it through and reports the restart."""
+    run_dir = tmp_path / "dead"
+    t0 = time.time()
+    proc = submit_waiting(run_dir, *TWO_NODES, *TRAIN)
+    try:
+        job = job_id_of(run_dir)
+        jobs.append(job)
+        wait_until(lambda: logged_step(run_dir) >= 6 or proc.poll() is not None, 240, "step 6")
+        assert proc.poll() is None, proc.communicate()
+        nodes = subprocess.run(["scontrol", "show", "hostnames", scontrol(job)["NodeList"]], capture_output=True,
+                               text=True, env=SLURM_ENV).stdout.split()
+        dead = nodes[1]  # rank 1's node
+        survivor = task_pid(job, 0)
+        kill_step = logged_step(run_dir)
+        assert survivor is not None and kill_node(dead)
+        killed_at = time.time()
+        wait_until(lambda: not Path(f"/proc/{survivor}").exists(), 30, "the surviving rank to stop")
+        survivor_s = time.time() - killed_at
+        wait_until(lambda: scontrol(job).get("Restarts") == "1", 120, "Slurm to requeue the job")
+        requeue_s = time.time() - killed_at
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        start_cluster()  # the dead node comes back (idle again, by ReturnToService=2)
+    print(f"\nnode killed after step {kill_step}: surviving rank gone in {survivor_s:.1f} s, "
+          f"requeued after {requeue_s:.1f} s, done after {time.time() - killed_at:.1f} s (test {time.time() - t0:.1f} s)")
+    assert survivor_s < 15  # seconds, not the collective timeout (train.hang_timeout_s)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert f"job {job} was requeued (restart 1, SLURM_RESTART_COUNT=1)" in err, err[-3000:]
+    assert f"job {job} (tiny-cpu) completed after 1 restart (SLURM_RESTART_COUNT=1): 2 ranks, 12 steps" in out, out[-2000:]
+    info = scontrol(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    assert dead not in subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]], capture_output=True,
+                                      text=True, env=SLURM_ENV).stdout.split()  # it ran on the nodes still up
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["step"] == 12 and status["restarts"] == 1, status
+    restarted = [r for r in ranks_on(run_dir, job) if r[2] == 1]
+    assert [r[0] for r in restarted] == [0, 1] and dead not in {r[1] for r in restarted}, restarted
+    assert kill_step < 8 and "resuming from" in err and "(step 4)" in err, err[-3000:]
+    assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, "--nproc", "2", *TRAIN))
+
+
+def test_a_task_killed_alone_fails_the_job(cluster, jobs, tmp_path):
+    """The batch script exits with srun's code: a task killed by a signal is a failure, never COMPLETED."""
+    run_dir = tmp_path / "k"
+    proc = submit_waiting(run_dir, *TWO_NODES, "--set", "train.steps=200", "--set", "checkpoint.every=100")
+    try:
+        job = job_id_of(run_dir)
+        jobs.append(job)
+        wait_until(lambda: logged_step(run_dir) >= 2 or proc.poll() is not None, 240, "step 2")
+        pid = task_pid(job, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    info = scontrol(job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info
+    assert f"error: job {job} (tiny-cpu) ended FAILED (exit {info['ExitCode']}" in err, err[-2000:]
+
+
+def test_a_hung_task_ends_in_the_hang_timeout_and_the_job_resumes(cluster, jobs, tmp_path, tmp_path_factory):
+    """A node that hangs (its task SIGSTOPped): the live rank's watchdog gives up after train.hang_timeout_s
+    with its Python stacks in the log and status.json `hung`; the batch script requeues the job, which
+    resumes from its last committed checkpoint to the losses of a run never interrupted."""
+    run_dir = tmp_path / "hang"
+    proc = submit_waiting(run_dir, *TWO_NODES, *TRAIN, "--set", "train.hang_timeout_s=10")
+    try:
+        job = job_id_of(run_dir)
+        jobs.append(job)
+        wait_until(lambda: logged_step(run_dir) >= 6 or proc.poll() is not None, 240, "step 6")
+        pid = task_pid(job, 1)
+        assert proc.poll() is None and pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        wait_until(lambda: scontrol(job).get("Restarts") == "1", 120, "the job to be requeued")
+        requeue_s = time.time() - stopped_at
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    print(f"\ntask stopped: job requeued after {requeue_s:.1f} s (train.hang_timeout_s 10)")
+    assert 10 <= requeue_s < 40
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert re.search(r"rank 0: no progress for 1\d\.\d s in step \d+ \(train.hang_timeout_s 10\); Python stacks follow", err), err[-3000:]
+    assert "most recent call first" in err and 'the job hung ({"state": "hung"' in err, err[-3000:]
+    assert f"job {job} (tiny-cpu) completed after 1 restart (SLURM_RESTART_COUNT=1): 2 ranks, 12 steps" in out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["restarts"] == 1, status
+    assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, "--nproc", "2", *TRAIN))
