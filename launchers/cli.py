@@ -7,7 +7,8 @@
     mantra submit   manifests/tiny-cpu.yaml --wait     # Slurm through submitit; requeue + auto-resume
     mantra schema   > manifests/schema.json            # JSON Schema for editors
     mantra models                                      # installed model kinds
-    mantra tokenize corpus.txt --out data/train.bin    # text -> token ids
+    mantra data tokenize corpus/ --out data/train.bin  # jsonl/parquet/text -> token ids + document index (also: dedup, inspect)
+    mantra tokenize corpus.txt --out data/train.bin    # the same as `mantra data tokenize`
     mantra runs                                        # a table of the runs under runs/
     mantra compare  runs/a runs/b --plot loss.png      # their curves, one line each
 
@@ -177,17 +178,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_tokenize(args: argparse.Namespace) -> int:
-    from trainer.data import DataError, tokenize_text
-
-    try:
-        n = tokenize_text(args.input, args.out, tokenizer=args.tokenizer, dtype=args.dtype)
-    except DataError as exc:
-        raise BadInput(str(exc)) from None
-    print(f"{args.out}: {n:,} tokens")
-    return EXIT_OK
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from trainer.export import ExportError, export_hf
 
@@ -297,12 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint from before checksums (its metadata is still read through the allowed list)")
     p.set_defaults(fn=cmd_export)
 
-    p = sub.add_parser("tokenize", help="turn a text file into a .bin of token ids")
-    p.add_argument("input", metavar="TEXT", help="UTF-8 text file")
-    p.add_argument("--out", required=True, metavar="BIN", help="output .bin")
-    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a local tokenizer.json")
-    p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width; default: the smallest that fits")
-    p.set_defaults(fn=cmd_tokenize)
+    from launchers.data_cli import add_data_parser, add_tokenize_arguments
+
+    add_data_parser(sub)
+    add_tokenize_arguments(sub.add_parser("tokenize", help="alias of `mantra data tokenize`: text, jsonl, parquet "
+                                          "-> a .bin of token ids + its document index"))
     return parser
 
 
