@@ -13,6 +13,7 @@ from trainer.data import (
     SampleOrder,
     TokenStream,
     build_loader,
+    build_valid_loader,
     check_data,
     tokenize_text,
 )
@@ -242,6 +243,37 @@ def test_check_data(tmp_path):
     assert [f for f, _ in check("text", str(text), tokenizer=str(tmp_path / "nope.json"))] == ["tokenizer"]
     for _, msg in check("text", str(tmp_path / "nope.txt"), vocab=100, tokenizer="byte"):
         assert msg[0].islower() and ";" in msg
+
+
+def test_check_data_names_the_blend_and_validation_fields(tmp_path):
+    good, short = bin_file(tmp_path, np.arange(100), name="good.bin"), bin_file(tmp_path, np.arange(5), name="short.bin")
+
+    def fields(source="tokens", **kw):
+        return [f for f, _ in check_data(DataSection(source=source, **kw), seq_len=8, vocab=256)]
+
+    blend = [{"path": str(good), "weight": 1}, {"path": str(short), "weight": 2}, {"path": "gone.bin", "weight": 1}]
+    assert fields(sources=blend) == ["sources.1.path", "sources.2.path"]
+    assert fields(sources=blend[:1], valid=str(short)) == ["valid"]
+    assert fields(path=str(good), sources=blend[:1]) == ["sources"]  # one or the other
+    assert fields("synthetic", sources=blend[:1], valid=str(good)) == ["sources", "valid"]
+    assert fields(path=str(good), valid=str(good)) == []
+
+
+def test_validation_batches_are_read_in_order_and_the_same_each_time(tmp_path):
+    seq_len, n_windows = 4, 10
+    path = bin_file(tmp_path, np.arange(n_windows * seq_len + 1) % 256, name="valid.bin")
+    section = DataSection(source="tokens", path=str(path), valid=str(path))
+
+    def starts(dp_rank, dp_size, batch):
+        ld = build_valid_loader(section, seq_len=seq_len, vocab=256, global_batch=8, micro_batch=2,
+                                microbatches=4 // dp_size, dp_rank=dp_rank, dp_size=dp_size)
+        return [int(row[0]) // seq_len for row in flat(ld.read(batch))[0]]
+
+    assert starts(0, 1, 0) == list(range(8))  # unshuffled
+    assert starts(0, 1, 1) == [8, 9, 0, 1, 2, 3, 4, 5]  # wraps around the file
+    assert starts(0, 2, 1) + starts(1, 2, 1) == starts(0, 1, 1)  # dp ranks split each batch
+    assert build_valid_loader(DataSection(source="tokens", path=str(path)), seq_len=seq_len, vocab=256,
+                              global_batch=8, micro_batch=2, microbatches=4) is None
 
 
 def test_check_data_and_build_loader_resolve_base_dir(tmp_path):

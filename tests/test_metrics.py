@@ -27,6 +27,7 @@ def fake_steps(n: int = 3, mfu: bool = True, pipeline: bool = True) -> list[dict
             "mfu": (0.4 + 0.01 * i) if mfu or i else None, "peak_mem_bytes": (1 << 30) + i * 4096,
             "busy_s": 0.15 + 0.01 * i if pipeline else None, "idle_s": 0.05 if pipeline else None,
             "bubble": 0.05 / (0.2 + 0.01 * i) if pipeline else None, "skipped_steps": i, "peak_tensor_bytes": 1000 + i,
+            "val_loss": 2.5 - 0.1 * i, "val_ppl": 12.18249396 * 0.904837418 ** i,
         }
         for i in range(n)
     ]
@@ -169,14 +170,17 @@ def test_every_sink_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_console_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    m = fake_steps(1, mfu=False, pipeline=False)[0] | {"step": 20, "peak_tensor_bytes": None}
+    m = fake_steps(1, mfu=False, pipeline=False)[0] | {"step": 20, "peak_tensor_bytes": None, "val_loss": None,
+                                                       "val_ppl": None}
     with build(tmp_path, (Sink.console,)) as sinks:
         sinks.advance(1)  # no terminal under pytest: no live line, nothing printed
         sinks.log(m)
         sinks.log(m | {"mfu": 0.4134})
         sinks.log(m | {"busy_s": 0.3, "idle_s": 0.1, "bubble": 0.25})
         sinks.log(m | {"peak_tensor_bytes": int(0.12 * 2**30)})  # logging.memory: tensors
-    first, second, third, fourth = capsys.readouterr().out.splitlines()
+        sinks.log(m | {"val_loss": 2.3456, "val_ppl": 10.4396})  # a step with data.valid evaluated
+    first, second, third, fourth, fifth = capsys.readouterr().out.splitlines()
+    assert fifth.endswith("| 0.210 s/step | val_loss 2.3456 (ppl 10.44)")
     assert first == ("step 20/30 | loss 3.1416 | grad_norm 0.812 | lr 3.00e-04 | 12,345 tok/s | "
                      "mfu n/a (cpu) | mem 1.00 GiB | 0.210 s/step")
     assert "mfu 41.3%" in second and "bubble" not in second

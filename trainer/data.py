@@ -7,19 +7,28 @@ with perm_e a permutation drawn from PCG64([seed, e]). Rank r takes samples
 [r * local, (r + 1) * local) of each step, in microbatches, so any dp layout
 sees the same global batch. Torch is imported only where tensors are built:
 `check_data` serves the torch-free validator.
+
+A blend (data.sources) first sends global sample g to one source and numbers it
+j within that source (trainer/blend.py: a pure function of the weights and g);
+then j is cut and shuffled as above in that source's own windows, its epochs
+counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
+(data.valid) is read in order, unshuffled: the same global batches each time.
+The loader reads the next steps in a background thread (trainer/prefetch.py).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trainer.blend import Blend
 from trainer.manifest.schema import DataSection, DataSource, TokenDtype
+from trainer.prefetch import Prefetcher
 
 BYTE_VOCAB = 256
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -99,38 +108,59 @@ def tokenize_text(
     return int(ids.size)
 
 
+def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
+                 base_dir: str | Path | None) -> list[tuple[str, str]]:
+    """What is wrong with the token or text file `value` named at data.`field`, found without reading it."""
+    src = DataSource(data.source)
+    path = _resolve(value, base_dir)
+    problem = _file_problem(path)
+    if problem:
+        fix = "run `mantra tokenize` or fix the path" if src is DataSource.tokens else "fix the path"
+        return [(field, f"file '{path}' {problem}; {fix}")]
+    size = path.stat().st_size
+    if src is DataSource.tokens:
+        itemsize = np.dtype(_DTYPES[TokenDtype(data.dtype).value]).itemsize
+        if size % itemsize:
+            return [("dtype" if field == "path" else field, f"file '{path}' has {size} bytes, not a multiple of "
+                     f"{itemsize}; fix data.dtype or re-run `mantra tokenize`")]
+        size //= itemsize
+    elif data.tokenizer != "byte":
+        return []  # the token count is only known after tokenizing
+    if size < seq_len + 1:
+        return [(field, f"file '{path}' holds {size} tokens, fewer than one window of seq_len + 1 = "
+                 f"{seq_len + 1}; use a longer corpus or a smaller model.seq_len")]
+    return []
+
+
 def check_data(
     data: DataSection, *, seq_len: int, vocab: int, base_dir: str | Path | None = None
 ) -> list[tuple[str, str]]:
-    """Cheap checks without reading the data: (field within `data`, "what; fix") pairs."""
+    """Cheap checks without reading the data: (field within `data`, "what; fix") pairs.
+
+    Fields: path, dtype, tokenizer, sources (the blend as a whole), sources.<i>.path, valid."""
     errors: list[tuple[str, str]] = []
     src = DataSource(data.source)
     if src is DataSource.synthetic:
+        if data.sources:
+            errors.append(("sources", "a blend reads files; set data.source to tokens or text, or remove data.sources"))
+        if data.valid:
+            errors.append(("valid", "validation reads a file; set data.source to tokens or text, or remove data.valid"))
         return errors
     if src is DataSource.text and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
         errors.append(("tokenizer", f"byte-level text needs model.vocab >= 256, got {vocab}; raise model.vocab"))
     if src is DataSource.text and data.tokenizer != "byte" and (problem := _file_problem(_resolve(data.tokenizer, base_dir))):
         errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
-    if not data.path:
+    if data.sources and data.path:
+        return errors + [("sources", "set data.path (one file) or data.sources (a blend), not both; remove one")]
+    if not data.sources and not data.path:
         what = "a .bin of token ids" if src is DataSource.tokens else "a text file"
-        return errors + [("path", f"source '{src.value}' needs a path; set data.path to {what}")]
-    path = _resolve(data.path, base_dir)
-    problem = _file_problem(path)
-    if problem:
-        fix = "run `mantra tokenize` or fix the path" if src is DataSource.tokens else "fix the path"
-        return errors + [("path", f"file '{path}' {problem}; {fix}")]
-    size = path.stat().st_size
-    if src is DataSource.tokens:
-        itemsize = np.dtype(_DTYPES[TokenDtype(data.dtype).value]).itemsize
-        if size % itemsize:
-            return errors + [("dtype", f"file '{path}' has {size} bytes, not a multiple of {itemsize}; "
-                              "fix data.dtype or re-run `mantra tokenize`")]
-        size //= itemsize
-    elif data.tokenizer != "byte":
-        return errors  # the token count is only known after tokenizing
-    if size < seq_len + 1:
-        errors.append(("path", f"file '{path}' holds {size} tokens, fewer than one window of seq_len + 1 = "
-                       f"{seq_len + 1}; use a longer corpus or a smaller model.seq_len"))
+        return errors + [("path", f"source '{src.value}' needs a path; set data.path to {what}, "
+                          "or list files to blend in data.sources")]
+    files = [(f"sources.{i}.path", s.path) for i, s in enumerate(data.sources)] if data.sources else [("path", data.path)]
+    if data.valid:
+        files.append(("valid", data.valid))
+    for field, value in files:
+        errors += _file_errors(value, field, data, seq_len=seq_len, base_dir=base_dir)
     return errors
 
 
@@ -162,70 +192,122 @@ class TokenStream:
         return max(int(self.tokens[i : i + _MAX_CHUNK].max()) for i in range(0, self.tokens.size, _MAX_CHUNK))
 
 
-def open_stream(data: DataSection, *, seq_len: int, vocab: int, seed: int = 0,
-                base_dir: str | Path | None = None) -> TokenStream:
-    """Open the section's source, raising DataError for anything that would fail later."""
-    problems = check_data(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)
-    if problems:
-        field, msg = problems[0]
-        raise DataError(f"data.{field}: {msg}")
-    src = DataSource(data.source)
-    if src is DataSource.synthetic:
-        return TokenStream(None, vocab=vocab, seed=seed, name=f"synthetic(vocab={vocab})")
-    path = _resolve(data.path, base_dir)
-    if src is DataSource.tokens:
+def _open_file(value: str, field: str, data: DataSection, *, seq_len: int, vocab: int, seed: int,
+               base_dir: str | Path | None) -> TokenStream:
+    path = _resolve(value, base_dir)
+    if DataSource(data.source) is DataSource.tokens:
         tokens: np.ndarray = np.memmap(path, dtype=_DTYPES[TokenDtype(data.dtype).value], mode="r")
     else:
         tokens, _ = encode(path.read_bytes(), _resolve(data.tokenizer, base_dir) if data.tokenizer != "byte" else "byte")
         if tokens.size < seq_len + 1:
-            raise DataError(f"data.path: file '{path}' holds {tokens.size} tokens, fewer than one window of "
+            raise DataError(f"data.{field}: file '{path}' holds {tokens.size} tokens, fewer than one window of "
                             f"seq_len + 1 = {seq_len + 1}; use a longer corpus or a smaller model.seq_len")
-    stream = TokenStream(tokens, vocab=vocab, seed=seed, name=str(data.path))
+    stream = TokenStream(tokens, vocab=vocab, seed=seed, name=str(value))
     top = stream.max_id()
     if top >= vocab:
-        raise DataError(f"data.path: file '{path}' has token id {top} >= model.vocab {vocab}; "
+        raise DataError(f"data.{field}: file '{path}' has token id {top} >= model.vocab {vocab}; "
                         f"raise model.vocab to at least {top + 1} or re-tokenize with a smaller vocabulary")
     return stream
 
 
-class SampleOrder:
-    """Which samples rank `dp_rank` reads at each step; the only state is the step."""
+def _checked(data: DataSection, *, seq_len: int, vocab: int, base_dir: str | Path | None) -> None:
+    problems = check_data(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)
+    if problems:
+        field, msg = problems[0]
+        raise DataError(f"data.{field}: {msg}")
 
-    def __init__(self, n_windows: int | None, *, seed: int, global_batch: int, micro_batch: int,
+
+def open_streams(data: DataSection, *, seq_len: int, vocab: int, seed: int = 0,
+                 base_dir: str | Path | None = None) -> list[TokenStream]:
+    """The training streams: data.path's (or synthetic ids) alone, or one per data.sources entry.
+    Raises DataError for anything that would fail later."""
+    _checked(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)
+    if DataSource(data.source) is DataSource.synthetic:
+        return [TokenStream(None, vocab=vocab, seed=seed, name=f"synthetic(vocab={vocab})")]
+    files = [(f"sources.{i}.path", s.path) for i, s in enumerate(data.sources)] if data.sources else [("path", data.path)]
+    return [_open_file(value, field, data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
+            for field, value in files]
+
+
+def open_stream(data: DataSection, *, seq_len: int, vocab: int, seed: int = 0,
+                base_dir: str | Path | None = None) -> TokenStream:
+    """Open the section's one source (data.path or synthetic), raising DataError for anything that would fail later."""
+    streams = open_streams(data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
+    if len(streams) != 1:
+        raise DataError("data.sources: a blend has several streams; use open_streams")
+    return streams[0]
+
+
+class SampleOrder:
+    """Which samples rank `dp_rank` reads at each step; the only state is the step.
+
+    `n_windows`: the windows of the one stream (None: synthetic), or a list, one per source of a
+    blend with `weights`. shuffle=False reads windows in order (validation)."""
+
+    def __init__(self, n_windows: int | None | Sequence[int], *, seed: int, global_batch: int, micro_batch: int,
                  microbatches: int, dp_rank: int = 0, dp_size: int = 1,
-                 fingerprint: dict[str, Any] | None = None) -> None:
+                 fingerprint: dict[str, Any] | None = None, weights: Sequence[float] | None = None,
+                 shuffle: bool = True) -> None:
         if global_batch % dp_size or global_batch // dp_size != micro_batch * microbatches:
             raise ValueError(f"global_batch {global_batch} != micro_batch {micro_batch} x microbatches "
                              f"{microbatches} x dp {dp_size}; fix train.global_batch or train.micro_batch")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
-        if n_windows is not None and n_windows < 1:
+        sizes = list(n_windows) if isinstance(n_windows, Sequence) else [n_windows]
+        if any(n is not None and n < 1 for n in sizes):
             raise ValueError("the stream holds no window; use a longer corpus or a smaller seq_len")
-        self.n_windows, self.seed, self.global_batch = n_windows, seed, global_batch
+        if len(weights if weights is not None else [1.0]) != len(sizes):
+            raise ValueError(f"{len(sizes)} streams need {len(sizes)} blend weights, got {weights}")
+        self.sizes, self.seed, self.global_batch, self.shuffle = sizes, seed, global_batch, shuffle
+        self.n_windows = sizes[0] if weights is None else None
+        self.blend = Blend(weights) if weights is not None else None
         self.micro_batch, self.microbatches = micro_batch, microbatches
         self.dp_rank, self.local = dp_rank, global_batch // dp_size
         self.fingerprint = dict(fingerprint or {})
         self.step = 0
-        self._perms: dict[int, np.ndarray] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:
-                self._perms.pop(min(self._perms))
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perms[epoch] = rng.permutation(self.n_windows)
-        return self._perms[epoch]
+    def _perm(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        if key not in self._perms:
+            held = sorted(k for k in self._perms if k[0] == source)
+            if len(held) >= 2:
+                self._perms.pop(held[0])
+            words = [self.seed, epoch] if self.blend is None else [self.seed, source, epoch]
+            self._perms[key] = np.random.Generator(np.random.PCG64(words)).permutation(self.sizes[source])
+        return self._perms[key]
+
+    def _windows(self, source: int, j: np.ndarray) -> np.ndarray:
+        """Window ids of the source's own samples j (synthetic: the sample ids themselves)."""
+        n = self.sizes[source]
+        if n is None:
+            return j
+        epochs, pos = np.divmod(j, n)
+        if not self.shuffle:
+            return pos
+        out = np.empty_like(j)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._perm(source, int(epoch))[pos[mask]]
+        return out
+
+    def samples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source ids, window ids) of this rank's samples at `step`, each [microbatches, micro_batch]."""
+        first = step * self.global_batch + self.dp_rank * self.local
+        if self.blend is None:
+            src, j = np.zeros(self.local, dtype=np.int64), np.arange(first, first + self.local, dtype=np.int64)
+        else:
+            src, j = self.blend.take(first, self.local)
+        win = np.empty_like(j)
+        for source in np.unique(src):
+            mask = src == source
+            win[mask] = self._windows(int(source), j[mask])
+        shape = (self.microbatches, self.micro_batch)
+        return src.reshape(shape), win.reshape(shape)
 
     def indices(self, step: int) -> np.ndarray:
         """[microbatches, micro_batch] window ids (sample ids when the stream is synthetic)."""
-        first = step * self.global_batch + self.dp_rank * self.local
-        g = np.arange(first, first + self.local, dtype=np.int64)
-        if self.n_windows is not None:
-            epochs, pos = np.divmod(g, self.n_windows)
-            for epoch in np.unique(epochs):
-                mask = epochs == epoch
-                g[mask] = self._perm(int(epoch))[pos[mask]]
-        return g.reshape(self.microbatches, self.micro_batch)
+        return self.samples(step)[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "step": self.step, "fingerprint": dict(self.fingerprint)}
@@ -240,23 +322,55 @@ class SampleOrder:
         self.step = int(state["step"])
 
 
-@dataclass
+class DataReadError(RuntimeError):
+    """Reading a sample failed: names the source, the sample and the step (the cause is chained)."""
+
+
 class Loader:
-    """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64."""
+    """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64.
 
-    stream: TokenStream
-    order: SampleOrder
-    seq_len: int
+    prefetch > 0: a background thread reads that many steps ahead (trainer/prefetch.py), into pinned
+    memory when `pin_memory` (a GPU run). Call `close()` when done."""
 
-    def microbatches(self, step: int) -> list[tuple[Any, Any]]:
+    def __init__(self, streams: TokenStream | Sequence[TokenStream], order: SampleOrder, seq_len: int, *,
+                 prefetch: int = 0, pin_memory: bool = False, unit: str = "step") -> None:
+        self.streams = [streams] if isinstance(streams, TokenStream) else list(streams)
+        self.order, self.seq_len, self.pin_memory, self.unit = order, seq_len, pin_memory, unit
+        self._ahead = Prefetcher(self.read, prefetch) if prefetch > 0 else None
+
+    @property
+    def stream(self) -> TokenStream:
+        return self.streams[0]
+
+    def read(self, step: int) -> list[tuple[Any, Any]]:
+        """The step's microbatches, read now (any thread); DataReadError names what failed."""
         import torch
 
+        src, win = self.order.samples(step)
         out = []
-        for row in self.order.indices(step):
-            batch = torch.from_numpy(np.stack([self.stream.window(int(i), self.seq_len) for i in row]))
-            out.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+        for m, (row_src, row_win) in enumerate(zip(src, win)):
+            rows = []
+            for k, (s, w) in enumerate(zip(row_src, row_win)):
+                try:
+                    rows.append(self.streams[int(s)].window(int(w), self.seq_len))
+                except Exception as exc:
+                    o = self.order
+                    sample = step * o.global_batch + o.dp_rank * o.local + m * o.micro_batch + k  # global index
+                    raise DataReadError(f"reading sample {sample} ({self.unit} {step}, window {int(w)}) of data source "
+                                        f"'{self.streams[int(s)].name}' failed: {type(exc).__name__}: {exc}") from exc
+            batch = torch.from_numpy(np.stack(rows))
+            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            out.append((x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y))
+        return out
+
+    def microbatches(self, step: int) -> list[tuple[Any, Any]]:
+        out = self._ahead.get(step) if self._ahead is not None else self.read(step)
         self.order.step = step + 1
         return out
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
 
     def state_dict(self) -> dict[str, Any]:
         return self.order.state_dict()
@@ -265,13 +379,36 @@ class Loader:
         self.order.load_state_dict(state)
 
 
+def _fingerprint(data: DataSection, streams: list[TokenStream], seq_len: int) -> dict[str, Any]:
+    if not data.sources:
+        return {"path": streams[0].name, "n_tokens": streams[0].n_tokens, "seq_len": seq_len}
+    return {"sources": [[st.name, st.n_tokens, float(src.weight)] for st, src in zip(streams, data.sources)],
+            "seq_len": seq_len}
+
+
 def build_loader(data: DataSection, *, seq_len: int, vocab: int, seed: int, global_batch: int,
                  micro_batch: int, microbatches: int, dp_rank: int = 0, dp_size: int = 1,
-                 base_dir: str | Path | None = None) -> Loader:
-    """Open `data` and the sample order for one dp rank; DataError names the file and the fix."""
-    stream = open_stream(data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
-    fingerprint = {"path": stream.name, "n_tokens": stream.n_tokens, "seq_len": seq_len}
-    order = SampleOrder(stream.n_windows(seq_len), seed=seed, global_batch=global_batch,
-                        micro_batch=micro_batch, microbatches=microbatches, dp_rank=dp_rank,
-                        dp_size=dp_size, fingerprint=fingerprint)
-    return Loader(stream, order, seq_len)
+                 base_dir: str | Path | None = None, pin_memory: bool = False,
+                 prefetch: int | None = None) -> Loader:
+    """Open `data` (one file or a blend) and the sample order for one dp rank; DataError names the file
+    and the fix. `prefetch`: steps read ahead, default data.prefetch."""
+    streams = open_streams(data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
+    order = SampleOrder([st.n_windows(seq_len) for st in streams] if data.sources else streams[0].n_windows(seq_len),
+                        seed=seed, global_batch=global_batch, micro_batch=micro_batch, microbatches=microbatches,
+                        dp_rank=dp_rank, dp_size=dp_size, fingerprint=_fingerprint(data, streams, seq_len),
+                        weights=[s.weight for s in data.sources] if data.sources else None)
+    return Loader(streams, order, seq_len, prefetch=data.prefetch if prefetch is None else prefetch,
+                  pin_memory=pin_memory)
+
+
+def build_valid_loader(data: DataSection, *, seq_len: int, vocab: int, global_batch: int, micro_batch: int,
+                       microbatches: int, dp_rank: int = 0, dp_size: int = 1,
+                       base_dir: str | Path | None = None, pin_memory: bool = False) -> Loader | None:
+    """data.valid in order, cut like the training batches (step b = validation batch b); None without it."""
+    if not data.valid:
+        return None
+    _checked(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)
+    stream = _open_file(data.valid, "valid", data, seq_len=seq_len, vocab=vocab, seed=0, base_dir=base_dir)
+    order = SampleOrder(stream.n_windows(seq_len), seed=0, global_batch=global_batch, micro_batch=micro_batch,
+                        microbatches=microbatches, dp_rank=dp_rank, dp_size=dp_size, shuffle=False)
+    return Loader(stream, order, seq_len, pin_memory=pin_memory, unit="validation batch")

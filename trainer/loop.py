@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from trainer.banner import print_banner
 from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
+from trainer.evaluate import build_validation
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Precision
@@ -129,6 +130,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,
         global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
         microbatches=run.batch.microbatches, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
+        pin_memory=device.type == "cuda",  # data.prefetch steps read ahead by a thread (trainer/prefetch.py)
     )
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device, verify=m.checkpoint.verify, model=model, sync=sync)
@@ -142,6 +144,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     status.write("running", first - 1)
     meter = Meter(run, device, mesh, pipeline)
     autocast = autocast_for(run, device)
+    validation = build_validation(run, model, pipeline, mesh, device, autocast, layout.dp_rank(info.rank),
+                                  device.type == "cuda")  # data.valid: val_loss at train.eval_every steps
     own_flag = preempt is None
     preempt = PreemptionFlag().install() if own_flag else preempt  # a signal since start-up is kept
     guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
@@ -171,9 +175,12 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 lr_schedule.step()
                 meter.stop()
                 sinks.advance(step)  # the console's live line, on a terminal
-                if step % m.logging.every == 0 or step == m.train.steps:
+                if validation.due(step):
+                    watchdog.beat(step, "validation")
+                val = validation.at(step)  # val_loss, val_ppl: None at steps not evaluated
+                if step % m.logging.every == 0 or step == m.train.steps or val["val_loss"] is not None:
                     sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped,
-                                                                           "peak_tensor_bytes": memory.report(step)})
+                                                                           "peak_tensor_bytes": memory.report(step)} | val)
 
                 every, last = m.checkpoint.every, step == m.train.steps
                 saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
@@ -204,6 +211,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         if own_flag:
             preempt.uninstall()
         memory.close()
+        loader.close()
     status.write("completed", m.train.steps)
     if on_finish is not None:
         on_finish(model, sync)

@@ -18,9 +18,10 @@ from typing import Any
 
 # busy_s / idle_s: seconds per step the worst pipeline rank computed / waited; bubble: its idle fraction
 # of the pipelined forward-backward (null without pipeline parallelism); skipped_steps: updates dropped
-# so far for a non-finite loss or gradient norm (train.on_nonfinite: skip)
+# so far for a non-finite loss or gradient norm (train.on_nonfinite: skip); val_loss / val_ppl: the mean token
+# cross-entropy over data.valid's first train.eval_batches global batches and its exp (null at steps not evaluated)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps", "peak_tensor_bytes")
+               "busy_s", "idle_s", "bubble", "skipped_steps", "peak_tensor_bytes", "val_loss", "val_ppl")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -120,7 +121,8 @@ class ConsoleSink:
         ] + ([] if m.get("peak_tensor_bytes") is None else [f"tensors {m['peak_tensor_bytes'] / 2**30:.2f} GiB"])
           + [f"{num('step_time_s', '.3f')} s/step"]
           + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
-          + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else []))
+          + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else [])
+          + ([] if m.get("val_loss") is None else [f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})"]))
 
     def log(self, metrics: dict[str, Any]) -> None:
         line = self.format(metrics)

@@ -23,10 +23,14 @@ Path_ = tuple[str | int, ...]
 PATH_FIELDS: dict[Path_, Callable[[str], bool]] = {
     ("data", "path"): lambda value: True,
     ("data", "tokenizer"): lambda value: value != "byte",  # 'byte' is the built-in tokenizer
+    ("data", "valid"): lambda value: True,
     ("checkpoint", "dir"): lambda value: True,
     ("checkpoint", "resume_from"): lambda value: not value.isdigit(),  # a step number
     ("logging", "dir"): lambda value: True,
 }
+
+# Lists of sections whose entries each name a file under one key: data.sources: [{path, weight}]
+LIST_PATH_FIELDS: dict[tuple[str, str], str] = {("data", "sources"): "path"}
 
 
 def anchored(value: str, base: Path) -> str:
@@ -53,3 +57,11 @@ def anchor_paths(data: dict[str, Any], base: Path, under: Path_ = ()) -> None:
         value = section.get(field[-1])
         if isinstance(value, str) and value and is_path(value):
             section[field[-1]] = anchored(value, base)
+    for field, key in LIST_PATH_FIELDS.items():
+        if field[: len(under)] != under and under[: len(field)] != field:
+            continue
+        items = data.get(field[0]) if isinstance(data, dict) else None
+        items = items.get(field[1]) if isinstance(items, dict) else None
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict) and isinstance(item.get(key), str) and item[key]:
+                item[key] = anchored(item[key], base)

@@ -264,9 +264,16 @@ def model_plugin(m: Manifest) -> Iterator[Finding]:
 
 def _about_a_file(data, field: str) -> bool:
     """Whether a data.`field` problem from check_data comes from looking at a file: a path that is set
-    (not a missing one), a tokenizer other than 'byte' (not the byte-vocab rule), the .bin's dtype."""
+    (not a missing one), a tokenizer other than 'byte' (not the byte-vocab rule), the .bin's dtype,
+    a blend's file (not the blend as a whole), the validation file (unless the source is synthetic)."""
+    from trainer.manifest.schema import DataSource
+
     if field == "path":
         return bool(data.path)
+    if field.startswith("sources."):
+        return True
+    if field == "valid":
+        return DataSource(data.source) is not DataSource.synthetic
     return field == "dtype" or (field == "tokenizer" and data.tokenizer != "byte")
 
 
@@ -291,6 +298,19 @@ def data_files(m: Manifest) -> Iterator[Finding]:
 
 
 @rule
+def validation(m: Manifest) -> Iterator[Finding]:
+    if m.train.eval_every and not m.data.valid:
+        yield Finding("train.eval_every", f"{m.train.eval_every} asks for a validation loss but data.valid is not set; "
+                      "set data.valid to a held-out file, or eval_every: 0")
+    elif m.data.valid and m.parallel.cp > 1 and not m.train.eval_every:  # with eval_every: not_supported_yet says it
+        yield Finding("data.valid", "not supported yet: validation under context parallel (parallel.cp > 1; it runs at "
+                      "the last step); remove data.valid or use cp: 1")
+    elif m.data.valid and m.train.eval_every > m.train.steps:
+        yield Finding("train.eval_every", f"{m.train.eval_every} exceeds train.steps {m.train.steps}: validation runs at "
+                      "the last step only", "warning")
+
+
+@rule
 def torch_supports_features(m: Manifest) -> Iterator[Finding]:
     from trainer.manifest.torch_support import unsupported  # reads torch's version from its metadata, imports no torch
 
@@ -311,8 +331,8 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
         yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
 
 
-def _path(field: str) -> tuple[str, ...]:
-    return tuple(field.split("."))
+def _path(field: str) -> tuple[str | int, ...]:
+    return tuple(int(part) if part.isdigit() else part for part in field.split("."))  # list items by index
 
 
 def check(

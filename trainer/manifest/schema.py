@@ -268,6 +268,14 @@ class TrainSection(Section):
         "logs, status hung, non-zero exit); default 600 on GPU, 300 on CPU",
     )
 
+    eval_every: NonNegativeInt = Field(
+        0, description="with data.valid: validation loss (val_loss, val_ppl) every N steps and at the last step; "
+        "0: at the last step only", le=MAX_STEPS,
+    )
+    eval_batches: PositiveInt = Field(
+        4, description="global batches of data.valid each validation reads (the same ones every time)", le=MAX_STEPS
+    )
+
 
 class OptimizerSection(Section):
     name: OptimizerName = Field(OptimizerName.adamw)
@@ -280,11 +288,29 @@ class OptimizerSection(Section):
     min_lr: Annotated[float, Field(ge=0)] = Field(0.0, description="floor the decay reaches at the last step")
 
 
+class BlendSource(Section):
+    """One file of a weighted blend (data.sources)."""
+
+    path: str = Field(description="a .bin of token ids (source tokens) or a text file (source text)")
+    weight: PositiveFloat = Field(description="its share of the samples, relative to the other sources' weights")
+
+
+MAX_SOURCES = 4096  # data.sources entries
+
+
 class DataSection(Section):
     source: DataSource = Field(DataSource.synthetic)
     path: str | None = Field(None, description="a .bin of token ids (tokens) or a text file (text)")
     dtype: TokenDtype = Field(TokenDtype.uint16, description="token id width in a .bin")
     tokenizer: str = Field("byte", description="text only: 'byte' or a local tokenizer.json")
+    sources: tuple[BlendSource, ...] | None = Field(
+        None, description="instead of path: several files of the same source kind blended by weight; every prefix "
+        "of the run holds each file's share within one sample (trainer/blend.py)", max_length=MAX_SOURCES,
+    )
+    valid: str | None = Field(None, description="a held-out file of the same source kind for val_loss (train.eval_every)")
+    prefetch: NonNegativeInt = Field(
+        2, description="steps of batches a background thread reads ahead (pinned on GPU); 0: read in the step", le=64
+    )
 
 
 class CheckpointSection(Section):
