@@ -111,7 +111,8 @@ def trains(command: str) -> bool:
 
 
 def needs_default_run(command: str) -> bool:
-    return DEFAULT_RUN in segments(command) or "runs/tiny-cpu" in command or "from_pretrained('out')" in command
+    return (DEFAULT_RUN in segments(command) or "runs/tiny-cpu" in command or "from_pretrained('out')" in command
+            or command.split()[:2] in (["mantra", "runs"], ["mantra", "compare"]))  # they read runs/
 
 
 def marks(command: str) -> list[pytest.MarkDecorator]:

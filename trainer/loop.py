@@ -31,6 +31,8 @@ from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory
 from trainer.models import get_model_spec
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
 from trainer.optim import build_lr_schedule
+from trainer.parallel.context.attention import uses_zigzag
+from trainer.parallel.context.split import ContextShard
 from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.mesh import build_mesh
 from trainer.parallel.pipeline.runtime import build_pipeline
@@ -72,14 +74,20 @@ def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int) -> torch.Tensor:
-    """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced)."""
+def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
+               cp: ContextShard | None = None) -> torch.Tensor:
+    """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced).
+    `cp`: under context parallel this rank's slice of each sequence (its tokens, targets and RoPE
+    positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean."""
     total = None
     for i, (inputs, targets) in enumerate(microbatches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        positions = None
+        if cp is not None:
+            inputs, targets, positions = cp.slice(inputs, targets)
         with sync.backward_context(last=i == len(microbatches) - 1):
             with autocast:
-                logits = model(inputs)
+                logits = model(inputs) if positions is None else model(inputs, positions)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                 del logits  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
@@ -89,6 +97,11 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
         total = loss if total is None else total + loss
     sync.finish_backward()
     return total / len(microbatches)
+
+
+def context_shard(run: Resolved, mesh) -> ContextShard | None:
+    p = run.manifest.parallel
+    return ContextShard(p.cp, mesh["cp"].get_local_rank(), uses_zigzag(p.cp_kind.value)) if p.cp > 1 else None
 
 
 def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
@@ -124,6 +137,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     torch.manual_seed(m.train.seed)
     model = build_model(run, mesh, device)
     sync = build_grad_sync(model, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
+    cp = context_shard(run, mesh)  # None, or this cp rank's slice of every sequence
     pipeline = build_pipeline(model, sync, run, mesh, device) if m.parallel.pp > 1 else None  # this rank's stages
     lr_schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
     loader = build_loader(
@@ -162,7 +176,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 if pipeline is not None:  # the schedule's actions over the pipeline ranks
                     loss = pipeline.step(microbatches, autocast)
                 else:
-                    loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum)
+                    loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp)
                 grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
                 lr = sync.optimizer.param_groups[0]["lr"]
                 loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
@@ -224,7 +238,7 @@ class Meter:
     def __init__(self, run: Resolved, device: torch.device, mesh, pipeline=None):
         m = run.manifest
         self.run, self.device, self.pipeline = run, device, pipeline
-        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.dp_group = mesh["dp_cp"].get_group() if mesh is not None else None  # cp ranks: other tokens of the same samples
         self.flops_per_token = get_model_spec(m.model.kind).flops_per_token(m.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.peak = peak_flops(device.type, name, m.logging.peak_tflops)

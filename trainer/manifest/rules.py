@@ -107,6 +107,26 @@ def sequence_parallel_needs_tp(m: Manifest) -> Iterator[Finding]:
 
 
 @rule
+def context_parallel_splits(m: Manifest) -> Iterator[Finding]:
+    """cp splits every sequence (ring: in 2·cp zigzag chunks); Ulysses also splits the heads of a tp rank."""
+    p, seq = m.parallel, m.model.seq_len
+    if p.cp == 1:
+        return
+    parts = 2 * p.cp if p.cp_kind.value == "ring" else p.cp
+    what = "2·cp zigzag chunks (ring)" if p.cp_kind.value == "ring" else "cp pieces"
+    if seq % parts:
+        yield Finding("parallel.cp", f"model.seq_len ({seq}) does not split into {parts} equal {what}; "
+                      f"use a seq_len that is a multiple of {parts}")
+    elif p.sequence_parallel and (seq // p.cp) % p.tp:
+        yield Finding("parallel.sequence_parallel", f"a cp rank's {seq // p.cp} tokens do not split over tp ({p.tp}); "
+                      f"use a seq_len that is a multiple of cp·tp = {p.cp * p.tp}")
+    if p.cp_kind.value == "ulysses" and m.model.heads % (p.tp * p.cp):
+        per_tp = m.model.heads // p.tp if m.model.heads % p.tp == 0 else m.model.heads
+        yield Finding("parallel.cp", f"Ulysses shards heads over tp·cp = {p.tp * p.cp}, which does not divide "
+                      f"model.heads ({m.model.heads}); use a cp that divides {per_tp}, or cp_kind: ring")
+
+
+@rule
 def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     chunks = p.pp * p.virtual_stages
@@ -327,8 +347,15 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     if p.pp > 1 and m.model.tie_embeddings and p.optimizer_sharding == Sharding.zero3:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
                       "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
-    if p.cp > 1:
-        yield Finding("parallel.cp", f"{_LATER}: context parallel is planned; use cp: 1")
+    if p.cp > 1 and p.pp > 1:
+        yield Finding("parallel.cp", f"{_LATER}: context parallel with pp > 1 (cp works with dp, zero1/2/3 and tp); "
+                      "use cp: 1 or pp: 1")
+    if p.cp > 1 and m.data.valid and m.train.eval_every:
+        yield Finding("train.eval_every", f"{_LATER}: validation loss with context parallel (the evaluation forward "
+                      "does not split sequences over cp); set eval_every: 0 or cp: 1")
+    if p.cp > 1 and m.train.compile:
+        yield Finding("train.compile", f"{_LATER}: torch.compile with context parallel (its attention communicates "
+                      "inside the block); set compile: false or cp: 1")
 
 
 def _path(field: str) -> tuple[str | int, ...]:

@@ -68,6 +68,11 @@ class Sharding(str, enum.Enum):
     zero3 = "zero3"
 
 
+class CpKind(str, enum.Enum):
+    ulysses = "ulysses"
+    ring = "ring"
+
+
 class ReduceDtype(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -188,7 +193,12 @@ class ParallelSection(Section):
     dp_shard: Annotated[int, Field(ge=-1)] = Field(
         -1, description="sharded data-parallel (ZeRO/FSDP) degree; -1 infers it from the world size", le=MAX_DEGREE
     )
-    cp: PositiveInt = Field(1, description="context-parallel degree", le=MAX_DEGREE)
+    cp: PositiveInt = Field(1, description="context-parallel degree: each sample's sequence split over cp ranks", le=MAX_DEGREE)
+    cp_kind: CpKind = Field(
+        CpKind.ulysses,
+        description="context-parallel attention: ulysses (all-to-all sequence <-> heads; heads % (tp*cp) == 0) "
+        "or ring (K/V blocks passed round the cp ranks; causal zigzag split, seq_len % (2*cp) == 0)",
+    )
     tp: PositiveInt = Field(1, description="tensor-parallel degree", le=MAX_DEGREE)
     sequence_parallel: bool = Field(False, description="Megatron sequence parallel inside the tp group")
     pp: PositiveInt = Field(1, description="pipeline-parallel degree", le=MAX_PP)
@@ -267,7 +277,6 @@ class TrainSection(Section):
         description="seconds a step or collective may take before the run is declared hung (stacks dumped to the "
         "logs, status hung, non-zero exit); default 600 on GPU, 300 on CPU",
     )
-
     eval_every: NonNegativeInt = Field(
         0, description="with data.valid: validation loss (val_loss, val_ppl) every N steps and at the last step; "
         "0: at the last step only", le=MAX_STEPS,

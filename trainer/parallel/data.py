@@ -110,7 +110,8 @@ def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> 
     from trainer.optim import build_optimizer
 
     sharding = run.manifest.parallel.optimizer_sharding
-    if mesh is None or run.dp == 1:  # one data-parallel rank: tensor parallel needs no gradient sync of ours
+    if mesh is None or run.dp * run.manifest.parallel.cp == 1:  # one data-parallel rank (cp ranks count as dp ranks):
+        # tensor parallel needs no gradient sync of ours
         optimizer = build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device)
         if run.manifest.parallel.pp > 1:  # the same, but the gradient norm sums over the pipeline stages
             from trainer.parallel.pipeline.runtime import PipelineLocalSync

@@ -1,4 +1,4 @@
-"""zero3: parameters, gradients and optimizer states sharded over dp_shard with FSDP2 (`fully_shard`).
+"""zero3: parameters, gradients and optimizer states sharded over dp_shard (× cp) with FSDP2 (`fully_shard`).
 
 Each transformer block is its own FSDP unit: its parameters are all-gathered
 just before its forward (and again before its backward) and resharded right
@@ -42,7 +42,9 @@ from trainer.parallel.memory import tensor_bytes
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device) -> None:
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if run.dp_replicate > 1 else mesh["dp_shard"]
+    # context-parallel ranks hold the same parameters: they shard like dp ranks (dp_shard × cp)
+    shard = "dp_shard_cp" if run.manifest.parallel.cp > 1 else "dp_shard"
+    dp_mesh = mesh.root["dp_replicate", shard] if run.dp_replicate > 1 else mesh["dp_shard_cp"]
     reduce = torch.bfloat16 if run.manifest.parallel.reduce_dtype.value == "bf16" else torch.float32
     bf16 = run.manifest.train.precision.value == "bf16" or (run.manifest.train.precision.value == "auto" and device.type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce)

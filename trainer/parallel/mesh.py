@@ -2,8 +2,12 @@
 
 Dimensions and order come from `layout.py` (pp, dp_replicate, dp_shard, cp,
 tp; tp innermost). `mesh["dp"]` is the flattened data-parallel group
-(replicate × shard) that data loading, the loss average and DDP-style
-all-reduce use. One rank gets no mesh: nothing to communicate.
+(replicate × shard) that data loading uses. The cp ranks of a dp rank hold the same
+parameters and see other tokens of the same samples, so for gradients they count as
+data parallel (torchtitan's choice): `mesh["dp_cp"]` (replicate × shard × cp) is the
+group the loss is averaged and a DDP-style all-reduce runs over, and `mesh["dp_shard_cp"]`
+(shard × cp) the one ZeRO and FSDP shard over. With cp = 1 they are dp and dp_shard.
+One rank gets no mesh: nothing to communicate.
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ from trainer.parallel.layout import DIM_NAMES, Layout
 class ParallelMesh:
     root: DeviceMesh
     dp: DeviceMesh  # flattened (dp_replicate, dp_shard)
+    dp_cp: DeviceMesh  # flattened (dp_replicate, dp_shard, cp)
+    dp_shard_cp: DeviceMesh  # flattened (dp_shard, cp)
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
-        return self.dp if names == "dp" else self.root[names]
+        if names in ("dp", "dp_cp", "dp_shard_cp"):
+            return getattr(self, names)
+        return self.root[names]
 
 
 def build_mesh(layout: Layout, device: torch.device) -> ParallelMesh | None:
     if layout.world_size == 1:
         return None
     root = init_device_mesh(device.type, layout.shape, mesh_dim_names=DIM_NAMES)
-    return ParallelMesh(root=root, dp=compat.flatten_mesh(root["dp_replicate", "dp_shard"], "dp"))
+    dp = compat.flatten_mesh(root["dp_replicate", "dp_shard"], "dp")
+    if layout.cp == 1:  # no new process groups: the same ranks
+        return ParallelMesh(root=root, dp=dp, dp_cp=dp, dp_shard_cp=root["dp_shard"])
+    return ParallelMesh(root=root, dp=dp, dp_cp=compat.flatten_mesh(root["dp_replicate", "dp_shard", "cp"], "dp_cp"),
+                        dp_shard_cp=compat.flatten_mesh(root["dp_shard", "cp"], "dp_shard_cp"))

@@ -42,11 +42,12 @@ from trainer.parallel.memory import tensor_bytes
 
 
 def dp_groups(mesh, mode: str) -> DPGroups:
-    """none: one all-reduce over the flattened dp group; zero1/2: shard over dp_shard, all-reduce over dp_replicate."""
+    """none: one all-reduce over the flattened dp×cp group; zero1/2: shard over dp_shard×cp, all-reduce over
+    dp_replicate. Context-parallel ranks hold the same parameters, so they reduce (and shard) like dp ranks."""
     if mode == "none":
-        dp = mesh["dp"]
+        dp = mesh["dp_cp"]
         return DPGroups(1, 0, None, dp.get_group() if dp.size() > 1 else None, dp.size())
-    shard, replicate = mesh["dp_shard"], mesh["dp_replicate"]
+    shard, replicate = mesh["dp_shard_cp"], mesh["dp_replicate"]
     return DPGroups(
         shards=shard.size(),
         shard_rank=shard.get_local_rank(),

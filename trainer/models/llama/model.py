@@ -58,6 +58,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
+class CausalAttention(nn.Module):
+    """softmax(q kᵀ/√d + causal mask) v over the heads: [B, heads, S, head_dim] in and out; k and v
+    may have fewer heads (grouped-query: query heads [g*r .. g*r+r) share kv head g, as in Hugging
+    Face's repeat_kv). Parameter-free: context parallel swaps in a Ulysses or ring core that takes
+    the same arguments (parallelize.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (kv_heads divides heads)."""
 
@@ -69,6 +82,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -77,10 +91,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = q.shape[1] // k.shape[1]
-        if repeat > 1:  # query heads [g*r .. g*r+r) share kv head g, as in Hugging Face's repeat_kv
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -140,15 +151,23 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (S <= seq_len) -> logits [B, S, vocab] in fp32."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] (S <= seq_len) -> logits [B, S, vocab] in fp32. `positions` [S]: the
+        sequence positions of the tokens when they are not 0..S-1 (a context-parallel rank's slice)."""
+        cos, sin = rope_at(self, tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h)
         return head(self, h).float()
+
+
+def rope_at(model: nn.Module, seq: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE rows of positions 0..seq-1, or of the given positions."""
+    if positions is None:
+        return model.rope_cos[:seq], model.rope_sin[:seq]
+    positions = positions.to(model.rope_cos.device)
+    return model.rope_cos[positions], model.rope_sin[positions]
 
 
 def head(model: nn.Module, h: torch.Tensor) -> torch.Tensor:

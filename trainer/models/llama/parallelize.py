@@ -1,12 +1,14 @@
 """How a Llama is parallelized: this function only decides the order, the mechanics live in trainer/parallel.
 
-    tensor + sequence parallel -> pipeline split -> activation checkpointing -> compile
-        -> pipeline stage modules -> FSDP (zero3)
+    tensor + sequence parallel -> context parallel (attention core) -> pipeline split
+        -> activation checkpointing -> compile -> pipeline stage modules -> FSDP (zero3)
 
 Runs on the meta device, before the weights exist; the trainer materializes and
 initialises afterwards (each rank draws the full tensor and keeps its shard).
 none / zero1 / zero2 need no change to the model: their gradient hooks are
-installed by trainer.parallel.data.build_grad_sync.
+installed by trainer.parallel.data.build_grad_sync. Context parallel only swaps
+each block's attention core (parameter-free) for a Ulysses or ring one; the loop
+hands the model this cp rank's tokens and their RoPE positions.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     p, train = run.manifest.parallel, run.manifest.train
     if p.tp > 1:
         apply_llama_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
+    if p.cp > 1:
+        apply_llama_context_parallel(model, mesh["cp"].get_group(), p.cp_kind.value)
     if p.pp > 1:  # keep only this rank's stages; FQNs (and so the seeded init) stay the whole model's
         from trainer.parallel.pipeline.split import split_model
 
@@ -44,7 +48,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         from trainer.parallel.pipeline.split import build_stages
 
         build_stages(model, run, mesh["pp"].get_local_rank())
-    if p.optimizer_sharding == Sharding.zero3 and run.dp > 1:
+    if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:
         from trainer.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, mesh, run, device)
@@ -91,3 +95,12 @@ def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parall
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         apply_tensor_parallel(block, tp_mesh, plan)
+
+
+def apply_llama_context_parallel(model: torch.nn.Module, cp_group, kind: str) -> None:
+    """Each block attends through a Ulysses or ring core over the cp group (the sequence split and
+    RoPE positions are the loop's: trainer/parallel/context/split.py)."""
+    from trainer.parallel.context.attention import attention_core
+
+    for block in model.layers.values():
+        block.attention.core = attention_core(kind, cp_group)
