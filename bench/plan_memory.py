@@ -63,6 +63,11 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "issue12/dp4-zero1": (4, ISSUE, {"optimizer_sharding": "zero1"}, TINY_BATCH),
     "issue12/dp4-zero2": (4, ISSUE, {"optimizer_sharding": "zero2"}, TINY_BATCH),
     "issue12/dp4-zero3": (4, ISSUE, {"optimizer_sharding": "zero3"}, TINY_BATCH),
+    # context parallel: each rank holds seq_len / cp tokens; the attention's own buffers on top
+    "cp/ulysses-cp2-seq1024": (2, LONG, {"cp": 2, "cp_kind": "ulysses"}, {"global_batch": 4, "micro_batch": 4}),
+    "cp/ring-cp2-seq1024": (2, LONG, {"cp": 2, "cp_kind": "ring"}, {"global_batch": 4, "micro_batch": 4}),
+    "cp/ring-cp2-zero2-seq1024": (4, LONG, {"cp": 2, "cp_kind": "ring", "optimizer_sharding": "zero2"},
+                                  {"global_batch": 8, "micro_batch": 4}),
     # tensor parallel
     "tp/tp2-seq512": (2, SMALL | {"seq_len": 512}, {"tp": 2}, {"global_batch": 4, "micro_batch": 4}),
     "tp/tp2-sp-seq512": (2, SMALL | {"seq_len": 512}, {"tp": 2, "sequence_parallel": True}, {"global_batch": 4, "micro_batch": 4}),

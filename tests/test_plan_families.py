@@ -2,7 +2,8 @@
 each sized so one term dominates: optimizer states and their step (one token row per rank, dp2 none / zero1 /
 zero3, and zero2 with several buckets end to end below), activations (a long sequence under full recompute),
 logits (a 32k vocabulary, alone and vocab-parallel over tp2), the pipeline schedules the accuracy test
-leaves out (gpipe, interleaved-1f1b, zb-h2, zb-v) and recompute under a split backward (zb-h1 selective, full). Within ±10% of the largest rank's
+leaves out (gpipe, interleaved-1f1b, zb-h2, zb-v), recompute under a split backward (zb-h1 selective, full)
+and context parallel (Ulysses and ring at cp2, seq 1024). Within ±10% of the largest rank's
 steady peak of live tensor bytes (bench/plan_memory.py runs more of each family; docs/plan.md has its table).
 
 One of them goes end to end through the user's commands: `mantra run` with `logging.memory: tensors` on
@@ -44,6 +45,9 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "pipeline-zb-h1-selective": (2, SMALL, {"pp": 2, "schedule": "zb-h1"},
                                  {"micro_batch": 1, "activation_checkpointing": "selective"}),
     "pipeline-zb-h1-full": (2, SMALL, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 1, "activation_checkpointing": "full"}),
+    # context parallel: a rank's activations are those of seq_len / cp tokens, plus the attention's buffers
+    "context-ulysses-cp2": (2, SMALL | {"seq_len": 1024}, {"cp": 2, "cp_kind": "ulysses"}, {"global_batch": 4, "micro_batch": 4}),
+    "context-ring-cp2": (2, SMALL | {"seq_len": 1024}, {"cp": 2, "cp_kind": "ring"}, {"global_batch": 4, "micro_batch": 4}),
 }
 
 

@@ -112,6 +112,7 @@ class Estimate:
                        "ranks": [{k: (int(v) if k in (*ROWS, "peak") else v) for k, v in asdict(r).items()} for r in self.rows]},
             "time": {"model_flops_per_step": t.model_flops, "hardware_flops_per_step": t.hardware_flops,
                      "compute_s": t.compute_s, "bubble_s": t.bubble_s, "tp_comm_s": t.tp_s, "dp_comm_exposed_s": t.dp_s,
+                     "cp_comm_exposed_s": t.cp_s, "cp_bytes_per_step": t.cp_bytes,
                      "optimizer_s": t.optimizer_s, "step_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                      "assumed_efficiency": t.efficiency,
                      "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
@@ -200,13 +201,17 @@ def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, me
     tied_copy = cfg.tie_embeddings and r == last_rank  # the tied head's copy of the embedding (tied.py)
     mine = ((embed if (r == 0 or tied_copy) else ()) + tuple(q for i in sorted(held) for q in blocks[i])
             + (head if r == last_rank else ()))  # registration order, as model.named_parameters()
+    # context parallel: a rank's activations are those of seq_len / cp tokens, and its gradients are reduced
+    # (zero1/2/3: sharded) over dp x cp, as the cp ranks hold the same parameters
+    local = cfg if p.cp == 1 else cfg.model_copy(update={"seq_len": cfg.seq_len // p.cp})
     s = memory.Setup(
-        params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp,
-        dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
+        params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp * p.cp,
+        dp_shard=run.dp_shard * p.cp, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
         bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
         moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
-        adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=cfg, pp=p.pp,
-        grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu)
+        adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=local, pp=p.pp,
+        grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
+        cp=p.cp, cp_kind=p.cp_kind.value)
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
@@ -295,12 +300,12 @@ def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], b
     from trainer.models.llama.config import flops_per_token
 
     sp = p.sequence_parallel and p.tp > 1
-    remat = act.working_set(m.model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)
-    return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard, mode,
+    remat = act.working_set(setups[0].cfg, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
+    return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
                  share, flops_per_token(m.model), run.tokens_per_step, remat, tuple(counts), ranks,
-                 schedule_options(run))
+                 schedule_options(run), p.cp, p.cp_kind.value)
 
 
 def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:
@@ -308,5 +313,8 @@ def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:
     out = [f"step time assumes {t.efficiency:.0%} of the {device.peak_tflops:g} TFLOP/s peak for compute "
            "(trainer/plan/flops.py: EFFICIENCY); memory does not depend on it"]
     if p.cp > 1:
-        out.append("context parallel is not modelled")
+        kind = ("Ulysses all-to-all, all exposed" if p.cp_kind.value == "ulysses"
+                else "ring K/V passing, exposed where a block's attention does not cover it")
+        out.append(f"context parallel cp {p.cp}: activations of seq_len/{p.cp} tokens per rank; "
+                   f"{t.cp_bytes / 2**20:,.1f} MiB sent per step ({kind}): {t.cp_s * 1e3:.1f} ms exposed")
     return out

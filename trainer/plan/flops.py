@@ -145,6 +145,8 @@ class Shape:
     stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
     stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
     schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/schedule.py: schedule_options)
+    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
+    cp_kind: str = "ulysses"
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class Timing:
     sim: object | None = None  # the pipeline SimResult (times in milliseconds), for the timeline
     stage_s: tuple[float, ...] = ()  # compute of one microbatch (F + B + W) per virtual stage
     rank_s: tuple[float, ...] = ()  # the same per pipeline rank, its stages together
+    cp_s: float = 0.0  # exposed context-parallel communication (Ulysses all-to-all, ring K/V passing)
+    cp_bytes: float = 0.0  # bytes one rank sends for context parallel per step
 
     @property
     def imbalance(self) -> float:
@@ -183,7 +187,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     cfg = x.cfg
     eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
     rate = device.peak_tflops * 1e12 * eff
-    mb_tokens = x.micro_batch * cfg.seq_len
+    mb_tokens = x.micro_batch * cfg.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
     from trainer.parallel.pipeline.schedules import SCHEDULES
 
     counts = x.stage_layers or (cfg.layers,)
@@ -252,8 +256,36 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     else:
         exposed = 0.0
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
-    step = compute + bubble + tp_s + exposed + optimizer
+    cp_s, cp_bytes = context_comm(x, device, e, rate)
+    step = compute + bubble + tp_s + exposed + optimizer + cp_s
     model = x.flops_per_token * x.global_tokens
     hardware = model + (block_forward_flops(cfg, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s)
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes)
+
+
+def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) of context parallel per step on one rank (trainer/parallel/context/).
+
+    Ulysses: per block and microbatch, all-to-alls of q, k, v and the attention output in the forward and of
+    their gradients in the backward (again in a full-recompute backward); each sends (cp-1)/cp of the rank's
+    tensor and waits for it: all exposed. Ring: cp-1 K/V blocks forward, K/V again plus the fp32 dK/dV one
+    hop behind in the backward; each transfer is posted before the current block computes, so only what a
+    block's attention does not cover is exposed."""
+    if x.cp == 1:
+        return 0.0, 0.0
+    cfg, cp = x.cfg, x.cp
+    tok = x.micro_batch * cfg.seq_len / cp  # a rank's tokens of one microbatch
+    head_dim = cfg.dim // cfg.heads
+    q = tok * cfg.dim / x.tp
+    kv = tok * max(cfg.n_kv_heads, cp if x.cp_kind == "ulysses" else 1) * head_dim / x.tp
+    passes = x.microbatches * max(x.rank_layers)
+    bw = _bandwidth(device, x.tp * cp) * 1e9
+    if x.cp_kind == "ulysses":
+        per = (cp - 1) / cp * e * (2 * q + 2 * kv) * (3 if x.recompute == "full" else 2)
+        return passes * per / bw, passes * per
+    block = 2 * kv * e  # one K/V block
+    sent = (cp - 1) * (block + block + 2 * kv * 4)  # forward K/V, backward K/V and the fp32 dK/dV
+    attention = 3 * 4 * tok * (cfg.seq_len / cp) * cfg.dim / x.tp / 2 / rate  # one block's causal scores, fwd + bwd
+    exposed = max(sent / bw - (cp - 1) * attention, 0.0)
+    return passes * exposed, passes * sent

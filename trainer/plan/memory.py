@@ -115,6 +115,8 @@ class Setup:
     pp: int = 1  # pipeline degree (zero3 keeps a stage whole for the step when pp > 1)
     grad_bytes: int = 4  # zero3 with pp: bytes of a whole gradient element (2 with bf16 params and reduce)
     gloo: bool = False  # collectives over gloo (CPU): they allocate temporaries NCCL does not (see `points`)
+    cp: int = 1  # context parallel (cfg.seq_len is then a cp rank's share of the sequence)
+    cp_kind: str = "ulysses"
 
     @property
     def mode(self) -> str:
@@ -232,7 +234,24 @@ def _sizes(s: Setup) -> dict[str, float]:
         "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard)[1] for q in per_block) if zero3 else 0.0,
         "u_root": unit * sum(local_numel(q, s.tp) for q in s.params if q.layer is None) if zero3 else 0.0,
         "g_blk": g * sum(local_numel(q, s.tp) for q in per_block),
+        "cp_bwd": _context_buffers(s),
     }
+
+
+def _context_buffers(s: Setup) -> float:
+    """Bytes context-parallel attention adds while a block's backward runs it (trainer/parallel/context/):
+    ring: dq, three fp32 dK/dV stacks (the one being filled, the one arriving, the one last sent) and two
+    K/V stacks; Ulysses: the all-to-all's send and receive copies of q, k and v's gradients."""
+    if s.cp == 1:
+        return 0.0
+    cfg = s.cfg
+    tok = cfg.seq_len * s.micro_batch  # cfg is already this rank's share of the sequence
+    head_dim = cfg.dim // cfg.heads
+    kv = tok * max(cfg.n_kv_heads, s.cp if s.cp_kind == "ulysses" else 1) * head_dim / s.tp
+    q = tok * cfg.dim / s.tp
+    if s.cp_kind == "ring":
+        return 4 * q + 3 * 2 * 4 * kv + 2 * 2 * 4 * kv
+    return 2 * 4 * (q + 2 * kv)
 
 
 def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
@@ -280,7 +299,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
         extra = {"zero2": st.get("bucket", 0.0), "zero3": u_root + u_blk + ag_blk}.get(s.mode, 0.0)
         left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
         out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
-                         logits=left, buffers=other + autocast + extra + tmp, **base))
+                         logits=left, buffers=other + autocast + extra + tmp + z["cp_bwd"], **base))
         if m.split:  # the end of this microbatch's B on the rank: its own W inputs (and logits' gradient) now wait too
             own = s.layers * pending / s.chunks
             # B's last RMSNorm backward (measured on one block: its peak is 4 fp32 [s, b, h] above the saved W
