@@ -37,7 +37,7 @@ rank and `mantra plan` generate the same schedule.
 
 from __future__ import annotations
 
-from trainer.parallel.pipeline.actions import B, F, W, Action, Kind
+from trainer.parallel.pipeline.actions import B, W, Action, Kind
 from trainer.parallel.pipeline.checks import peak_inflight
 from trainer.parallel.pipeline.schedules.base import ScheduleSpec, need_microbatches, register, require, single_chunk
 from trainer.parallel.pipeline.simulate import Costs, Deadlock, simulate_ranks
@@ -49,9 +49,11 @@ POLICIES = ("fill", "late")
 def _greedy(pp: int, m: int, dur: dict, comm: list[float], max_inflight: int, quota: list[int], policy: str) -> list[list[Action]]:
     """One candidate: the greedy described in the module docstring, with a per-rank warm-up quota."""
     t = [0.0] * pp
-    nf, nb, nw = [0] * pp, [0] * pp, [0] * pp
+    done = {kind: [0] * pp for kind in (Kind.F, Kind.B, Kind.W)}  # per rank: microbatches through each kind
+    nf, nb, nw = done[Kind.F], done[Kind.B], done[Kind.W]
     f_end: dict[tuple[int, int], float] = {}
     b_end: dict[tuple[int, int], float] = {}
+    ends = {Kind.F: f_end, Kind.B: b_end}
     ops: list[list[Action]] = [[] for _ in range(pp)]
 
     def f_ready(r: int) -> float | None:
@@ -94,24 +96,12 @@ def _greedy(pp: int, m: int, dur: dict, comm: list[float], max_inflight: int, qu
         if not options:
             raise RuntimeError(f"zb-auto: no rank can progress (pp {pp}, m {m}, max_inflight {max_inflight})")
         start, r, kind = min(options, key=lambda o: (o[0], o[1]))
-        if kind == Kind.B:
-            mb = nb[r]
-            nb[r] += 1
-            end = start + dur[Kind.B][r]
-            b_end[(r, mb)] = end
-            ops[r].append(B(r, mb))
-        elif kind == Kind.F:
-            mb = nf[r]
-            nf[r] += 1
-            end = start + dur[Kind.F][r]
-            f_end[(r, mb)] = end
-            ops[r].append(F(r, mb))
-        else:
-            mb = nw[r]
-            nw[r] += 1
-            end = start + dur[Kind.W][r]
-            ops[r].append(W(r, mb))
-        t[r] = end
+        mb = done[kind][r]
+        done[kind][r] += 1
+        t[r] = start + dur[kind][r]
+        if kind in ends:  # a B's gradient or an F's activation: what the neighbours wait for
+            ends[kind][(r, mb)] = t[r]
+        ops[r].append(Action(r, kind, mb))
 
 
 def _split(ranks: list[list[Action]]) -> list[list[Action]]:
