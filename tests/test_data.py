@@ -15,11 +15,16 @@ from trainer.data import (
     build_loader,
     build_valid_loader,
     check_data,
-    tokenize_text,
 )
+from trainer.corpus.tokenize import tokenize_corpus
 from trainer.manifest.schema import DataSection
 
 CORPUS = Path(__file__).resolve().parents[1] / "manifests" / "data" / "python-docs.txt"
+
+
+def tokenize_text(text: Path, out: Path, tokenizer: str | Path = "byte", dtype: str | None = None) -> int:
+    """`mantra tokenize TEXT --out BIN` (a text file is one document: no EOS in it)."""
+    return tokenize_corpus([str(text)], out, tokenizer=str(tokenizer), dtype=dtype, progress=False).tokens
 
 
 def bin_file(tmp_path: Path, ids: np.ndarray, dtype=np.uint16, name: str = "x.bin") -> Path:
@@ -202,7 +207,8 @@ def test_tokenizer_json(tmp_path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"])  # the EOS `mantra tokenize` requires
     tok.train_from_iterator(lines, trainer=trainer)
     tok_path = tmp_path / "tokenizer.json"
     tok.save(str(tok_path))

@@ -1,4 +1,4 @@
-"""Token data: tokenize text, view a token stream, and a deterministic, resumable sample order.
+"""Token data: encode a text source, view a token stream, and a deterministic, resumable sample order.
 
 The order depends only on (seed, step, dp_rank): the stream is cut into
 C = (n_tokens - 1) // seq_len windows of seq_len + 1 tokens (stride seq_len);
@@ -14,11 +14,11 @@ then j is cut and shuffled as above in that source's own windows, its epochs
 counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
 (data.valid) is read in order, unshuffled: the same global batches each time.
 The loader reads the next steps in a background thread (trainer/prefetch.py).
+Files of token ids are written by `mantra data tokenize` (trainer/corpus/).
 """
 
 from __future__ import annotations
 
-import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,31 +81,6 @@ def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int
         raise DataError(f"text is not valid UTF-8 at byte {exc.start}; re-encode the file as UTF-8") from exc
     ids = tok.encode(text, add_special_tokens=False).ids
     return np.asarray(ids, dtype=np.int64), int(tok.get_vocab_size(with_added_tokens=True))
-
-
-def tokenize_text(
-    text_path: str | Path, out_path: str | Path, tokenizer: str | Path = "byte", dtype: str | None = None
-) -> int:
-    """Write `text_path` as a flat .bin of token ids; uint16 when the vocab fits. Returns the token count."""
-    text_path, out_path = Path(text_path), Path(out_path)
-    if not text_path.is_file():
-        raise DataError(f"text file '{text_path}' does not exist; fix the input path")
-    if str(tokenizer) != "byte" and not Path(tokenizer).is_file():
-        raise DataError(f"tokenizer '{tokenizer}' does not exist; pass 'byte' or a local tokenizer.json")
-    ids, vocab = encode(text_path.read_bytes(), tokenizer)
-    dtype = dtype or ("uint16" if vocab <= 1 << 16 else "uint32")
-    if dtype not in _DTYPES:
-        raise DataError(f"dtype '{dtype}' is not supported; use uint16 or uint32")
-    if vocab > np.iinfo(_DTYPES[dtype]).max + 1:
-        raise DataError(f"tokenizer '{tokenizer}' has {vocab} ids, too many for {dtype}; use uint32")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp{os.getpid()}")
-    try:
-        ids.astype(_DTYPES[dtype]).tofile(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return int(ids.size)
 
 
 def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
