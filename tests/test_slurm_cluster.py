@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
+from slurm_fixtures import require_local_slurm, submitted_jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -29,29 +30,12 @@ TWO_TASKS = ["--set", "launcher.slurm.gpus_per_node=2", "--set", "logging.every=
 @pytest.fixture(scope="session")
 def slurm():
     """A running local Slurm: started here if it is not (root and apt needed). CI never skips: it fails."""
-    script = ROOT / "tests/slurm/start-local-slurm.sh"
-    t0 = time.time()
-    why = ""
-    if os.geteuid() == 0:
-        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900)
-        if proc.returncode == 0:
-            print(f"\nlocal Slurm ready in {time.time() - t0:.1f} s: {proc.stderr.strip()}")
-            return
-        why = proc.stderr.strip()[-2000:]
-    else:
-        why = "not root: cannot install or start slurmctld/slurmd"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"no local Slurm in CI: {why}")
-    pytest.skip(f"no local Slurm: {why}")
+    require_local_slurm("local Slurm", not_root="cannot install or start slurmctld/slurmd")
 
 
 @pytest.fixture
 def jobs():
-    """Job ids a test submitted; any still queued or running at the end are cancelled (by id)."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], capture_output=True)
+    yield from submitted_jobs()
 
 
 def mantra(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

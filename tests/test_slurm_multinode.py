@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
+from slurm_fixtures import require_local_slurm, start_local_slurm, submitted_jobs
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -32,37 +33,18 @@ TWO_NODES = ["--set", "launcher.slurm.nodes=2", "--set", "launcher.slurm.gpus_pe
 TRAIN = ["--set", "train.steps=12", "--set", "checkpoint.every=4", "--set", "logging.every=1"]
 
 
-def start_cluster() -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "tests/slurm/start-local-slurm.sh"), "--nodes", str(NODES)],
-                          capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """The multi-node local Slurm, started here if it is not (root needed). CI never skips: it fails."""
-    t0 = time.time()
-    if os.geteuid() == 0:
-        proc = start_cluster()
-        if proc.returncode == 0:
-            print(f"\nmulti-node Slurm ready in {time.time() - t0:.1f} s: {proc.stderr.strip()}")
-            yield
-            start_cluster()  # a node a test killed comes back for whoever runs next
-            return
-        why = proc.stderr.strip()[-2000:]
-    else:
-        why = "not root: cannot start slurmd in network namespaces"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"no multi-node local Slurm in CI: {why}")
-    pytest.skip(f"no multi-node local Slurm: {why}")
+    require_local_slurm("multi-node local Slurm", "--nodes", str(NODES),
+                        not_root="cannot start slurmd in network namespaces")
+    yield
+    start_local_slurm("--nodes", str(NODES))  # a node a test killed comes back for whoever runs next
 
 
 @pytest.fixture
 def jobs():
-    """Job ids a test submitted; any still queued or running at the end are cancelled (by id)."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        subprocess.run(["scancel", job_id], capture_output=True, env=SLURM_ENV)
+    yield from submitted_jobs(SLURM_ENV)
 
 
 def mantra(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -223,7 +205,7 @@ def test_a_dead_node_requeues_the_job_which_resumes_exactly(cluster, jobs, tmp_p
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
-        start_cluster()  # the dead node comes back (idle again, by ReturnToService=2)
+        start_local_slurm("--nodes", str(NODES))  # the dead node comes back (idle again, by ReturnToService=2)
     print(f"\nnode killed after step {kill_step}: surviving rank gone in {survivor_s:.1f} s, "
           f"requeued after {requeue_s:.1f} s, done after {time.time() - killed_at:.1f} s (test {time.time() - t0:.1f} s)")
     assert survivor_s < 15  # seconds, not the collective timeout (train.hang_timeout_s)
