@@ -1,5 +1,5 @@
 """What the Slurm tests share: bring up a local Slurm (tests/slurm/start-local-slurm.sh) or say why not,
-and cancel what a test submitted."""
+wait for a job's state, and cancel what a test submitted."""
 
 from __future__ import annotations
 
@@ -33,6 +33,17 @@ def require_local_slurm(what: str, *args: str, not_root: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"no {what} in CI: {why}")
     pytest.skip(f"no {what}: {why}")
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
+    """`predicate()`'s first truthy value within `timeout` seconds, polled; TimeoutError(what) otherwise."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(what)
 
 
 def submitted_jobs(env: Mapping[str, str] | None = None) -> Iterator[list[str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
-from slurm_fixtures import require_local_slurm, submitted_jobs
+from slurm_fixtures import require_local_slurm, submitted_jobs, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -61,16 +61,6 @@ def all_jobs() -> set[str]:
 def losses(run_dir: Path) -> dict[int, float]:
     """Last logged loss per step (a resumed run repeats the steps after its checkpoint)."""
     return {row["step"]: row["loss"] for row in read_jsonl(run_dir / "metrics.jsonl")}
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(what)
 
 
 def test_submit_runs_two_ranks_equal_to_a_local_run(slurm, jobs, tmp_path):

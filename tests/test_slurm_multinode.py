@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
-from slurm_fixtures import require_local_slurm, start_local_slurm, submitted_jobs
+from slurm_fixtures import require_local_slurm, start_local_slurm, submitted_jobs, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -93,16 +93,6 @@ def scontrol(job_id: str) -> dict[str, str]:
 def job_id_of(run_dir: Path) -> str:
     return wait_until(lambda: next((p.name.split("_")[0] for p in (run_dir / "slurm").glob("*/*_submission.sh")), None),
                       60, "the submission")
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(what)
 
 
 def logged_step(run_dir: Path) -> int:
