@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -44,11 +45,20 @@ def write_manifest(folder: Path, name: str, ranks: int, model: dict, parallel: d
 
 
 def _ports(n: int) -> list[str]:
-    out = []
-    for _ in range(n):
+    """n free ports below Linux's ephemeral range (32768+). They stay unbound until a later run's rank 0
+    binds one, seconds or minutes from now; a port from the ephemeral range could be taken meanwhile as
+    the local end of some outgoing connection (gloo opens many), which failed CI with EADDRINUSE."""
+    out: list[str] = []
+    rng = random.Random()
+    while len(out) < n:
+        port = rng.randrange(20000, 32768)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(str(s.getsockname()[1]))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if str(port) not in out:
+            out.append(str(port))
     return out
 
 
