@@ -10,7 +10,10 @@ its real work padded with a sleep (a chunk of a 2-chunk schedule half of it, BW 
 on 2 cores measure the schedule and not the core count. Per step: a barrier, the step, then makespan = the slowest rank's span and
 bubble = 1 - sum(busy) / (p * makespan), the simulator's definition. Reported: the median step,
 the simulated makespan (`simulate`, T_F = T_B = T_W = unit, no comm time) and measured / simulated
-(goal <= 1.05), and the bubbles of ZB-H1 and ZB-H2 relative to 1F1B's.
+(goal <= 1.05), and the bubbles of ZB-H1 and ZB-H2 relative to 1F1B's. Also the simulated steady
+bubble over max(steps, 6) consecutive steps (trainer/parallel/pipeline/steps.py): with the barrier the
+runtime has between steps, and with the zero-bubble paper's post-validation overlap, which the runtime
+does not implement yet (so that figure is a prediction, not a measurement).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.parallel.pipeline import Costs, build_schedule, simulate  # noqa: E402
+from trainer.parallel.pipeline import Costs, build_schedule, simulate, simulate_steps  # noqa: E402
 from trainer.parallel.pipeline.actions import Kind  # noqa: E402
 from trainer.parallel.pipeline.executor import Executor  # noqa: E402
 
@@ -70,12 +73,17 @@ def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int)
         return None
     sim = simulate(schedule, Costs(unit, unit, unit))
     measured = statistics.median(makespans)
+    k = max(steps, 6)  # consecutive steps, simulated: the runtime's barrier vs post-validation's overlap (steps.py)
+    steady = {ov: simulate_steps(schedule.ranks, schedule.layout, m, Costs(unit, unit, unit), k, overlap=ov).steady_bubble
+              for ov in (False, True)}
     return {
         "bench": "pipeline_bubble", "schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v,
         "unit_s": unit, "steps": steps, "measured_makespan_s": round(measured, 5),
         "simulated_makespan_s": round(sim.makespan, 5), "ratio": round(measured / sim.makespan, 4),
         "measured_bubble": round(statistics.median(bubbles), 4), "simulated_bubble": round(sim.bubble_rate, 4),
         "worst_rank_idle": round(statistics.median(idle_worst), 4),
+        "steady_steps": k, "simulated_steady_bubble": round(steady[False], 4),
+        "simulated_steady_bubble_post_validation": round(steady[True], 4),
         "makespans_s": [round(x, 5) for x in makespans],
     }
 

@@ -127,7 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return plan_against(args.manifest, list(args.set or []), args.against, gpu=args.gpu, gpu_mem=args.gpu_mem,
                                 as_json=args.json)
         return run_plan(args.manifest, list(args.set or []), gpu=args.gpu, gpu_mem=args.gpu_mem, as_json=args.json,
-                        timeline=args.timeline, search=args.search, gpus=args.gpus, efficiency=args.efficiency)
+                        timeline=args.timeline, search=args.search, gpus=args.gpus, efficiency=args.efficiency,
+                        steps=args.steps)
     except PlanInputError as exc:
         raise BadInput(str(exc)) from None
 
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory per device (default: the device's)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--timeline", metavar="FILE", help="write the pipeline timeline picture (.svg, or .png with matplotlib)")
+    p.add_argument("--steps", type=int, default=1, metavar="N",
+                   help="the pipeline timeline over N consecutive steps (default 1), and what post-validation would hide")
     p.add_argument("--search", action="store_true", help="list the five fastest layouts that fit, as --set lines")
     p.add_argument("--gpus", type=int, metavar="N", help="devices to search layouts for (with --search)")
     p.add_argument("--efficiency", type=float, metavar="F", help="achievable share of peak FLOP/s (default 0.5)")

@@ -59,7 +59,29 @@ def _layout_line(e: Estimate) -> str:
             f"micro {lay['micro_batch']} x {lay['microbatches']} microbatches x dp {lay['dp_replicate'] * lay['dp_shard']}")
 
 
-def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: str = "") -> None:
+def timeline_of(e: Estimate, steps: int):
+    """The simulated pipeline to draw: the plan's one step, or `steps` consecutive ones as the runtime runs them
+    (a barrier between steps)."""
+    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+        return e.timing.sim
+    from trainer.plan.schedule import simulate_many
+
+    return simulate_many(e.timing, steps).sim
+
+
+def steps_line(e: Estimate, steps: int) -> str | None:
+    """`steps` consecutive steps with the runtime's barrier against the zero-bubble paper's post-validation."""
+    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+        return None
+    from trainer.plan.schedule import simulate_many
+
+    now, overlap = simulate_many(e.timing, steps), simulate_many(e.timing, steps, overlap=True)
+    return (f"{steps} steps: {duration(now.per_step / 1e3)} per step with the barrier between steps (what runs), busiest rank idle "
+            f"{now.steady_bubble:.1%}; with optimizer post-validation (the steps overlap; not in mantra's runtime yet) "
+            f"{duration(overlap.per_step / 1e3)} per step, busiest rank idle {overlap.steady_bubble:.1%}")
+
+
+def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: str = "", steps: int = 1) -> None:
     """The plan as the terminal shows it; the first line names the device and `why` it was chosen."""
     precision = "bf16 autocast over fp32 weights" if e.precision == "bf16" else "fp32"
     reason = f"; device: {why}" if why else ""
@@ -93,8 +115,11 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
         from trainer.parallel.pipeline import render_ascii
 
         console.print("pipeline timeline:")
-        console.print(render_ascii(t.sim, max_width=max(60, min(console.width - 45, 160)), unit="ms"), markup=False,
-                      highlight=False)
+        console.print(render_ascii(timeline_of(e, steps), max_width=max(60, min(console.width - 45, 160)), unit="ms"),
+                      markup=False, highlight=False)
+    line = steps_line(e, steps)
+    if line:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     for note in e.notes:
         console.print(f"note: {note}", soft_wrap=True, style="dim")
 
@@ -124,21 +149,24 @@ def split_lines(e: Estimate) -> list[str]:
     return out
 
 
-def write_picture(e: Estimate, path: str) -> Path:
+def write_picture(e: Estimate, path: str, steps: int = 1) -> Path:
     from trainer.parallel.pipeline import write_timeline
 
     try:
-        return write_timeline(path, e.timing.sim, unit="ms")  # the plan simulates in milliseconds
+        return write_timeline(path, timeline_of(e, steps), unit="ms")  # the plan simulates in milliseconds
     except (ValueError, RuntimeError) as exc:
         raise PlanInputError(str(exc)) from None
 
 
 def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | None, as_json: bool,
-             timeline: str | None, search: bool, gpus: int | None, efficiency: float | None = None) -> int:
+             timeline: str | None, search: bool, gpus: int | None, efficiency: float | None = None,
+             steps: int = 1) -> int:
     """What `mantra plan` does; returns the exit code: 0 fits, 3 does not (ManifestError propagates to the CLI)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)  # piped: rows never cut at 80 columns
     if search and not gpus:
         raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
+    if not 1 <= steps <= 64:
+        raise PlanInputError(f"--steps {steps}: draw 1 to 64 consecutive steps")
     run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
     for w in warnings:
         print(w.render(), file=sys.stderr)
@@ -146,16 +174,21 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
     if search:
         return _run_search(manifest, overrides, device, why, gpu_mem, gpus, as_json, console, efficiency)
     e = _estimate(run, device, gpu_mem, efficiency)
-    picture = write_picture(e, timeline) if timeline else None
+    picture = write_picture(e, timeline, steps) if timeline else None
     code = EXIT_FITS if e.fits else EXIT_DOES_NOT_FIT
     if as_json:
         out = e.to_json()
         out["device_reason"] = why
         out["timeline"] = str(picture) if picture else None
+        if steps > 1 and e.timing.sim is not None and e.layout["pp"] > 1:
+            from trainer.plan.schedule import simulate_many
+
+            out["steps"] = {"barrier": simulate_many(e.timing, steps).summary(),
+                            "post_validation": simulate_many(e.timing, steps, overlap=True).summary()}
         out["exit_code"] = code
         print(json.dumps(out, indent=2))
         return code
-    print_plan(e, console, why=why)
+    print_plan(e, console, why=why, steps=steps)
     if picture:
         console.print(f"timeline: {picture}")
     return code

@@ -107,3 +107,29 @@ def test_search_progress_redraws_in_place_on_a_terminal():
     assert tty.getvalue().startswith("\rsearching 1,234 layouts… 0%") and tty.getvalue().endswith("… 100%\n")
     assert tty.getvalue().count("\n") == 1
     assert piped.getvalue().splitlines() == [f"searching 1,234 layouts… {p}%" for p in (0, 28, 52, 76, 100)]
+
+
+ZB_V_8B = ["--set", "launcher.slurm.nodes=4", "--set", "parallel.dp_shard=8", "--set", "parallel.microbatches=8",
+           "--set", "train.global_batch=128", "--set", "parallel.pp=4", "--set", "parallel.schedule=zb-v",
+           "--set", "parallel.virtual_stages=2", "--set", "parallel.optimizer_sharding=zero1",
+           "--set", "train.activation_checkpointing=none", "--gpu", "h100", "--gpu-mem", "1000"]
+
+
+def test_steps_draws_consecutive_steps_and_what_post_validation_would_hide(tmp_path):
+    """`mantra plan --timeline --steps 3` (#14): three steps with the barrier the runtime pays between them, and
+    the overlap post-validation would give (predicted; the runtime does not overlap steps yet)."""
+    text = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "3", "--timeline", str(tmp_path / "t.svg"))
+    assert text.returncode == 0, text.stderr
+    assert "zb-v ×3 steps (barrier)" in text.stdout and "3 steps:" in text.stdout
+    assert "zb-v ×3 steps (barrier)" in (tmp_path / "t.svg").read_text()
+    one = json.loads(mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--json").stdout)
+    out = json.loads(mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "3", "--json").stdout)
+    barrier, overlap = out["steps"]["barrier"], out["steps"]["post_validation"]
+    assert barrier["steps"] == overlap["steps"] == 3 and "steps" not in one
+    # the barrier: each step is the plan's one-step pipeline, then its exposed dp communication and optimizer step
+    t = one["time"]
+    pipeline_ms, gap_ms = 1e3 * (t["compute_s"] + t["bubble_s"]), 1e3 * (t["dp_comm_exposed_s"] + t["optimizer_s"])
+    assert barrier["makespan"] == pytest.approx(3 * pipeline_ms + 2 * gap_ms, rel=1e-6)
+    assert overlap["per_step"] < barrier["per_step"] and overlap["steady_bubble"] < barrier["steady_bubble"]
+    bad = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "0")
+    assert bad.returncode == 2 and "--steps 0" in bad.stderr

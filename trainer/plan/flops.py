@@ -167,6 +167,7 @@ class Timing:
     rank_s: tuple[float, ...] = ()  # the same per pipeline rank, its stages together
     cp_s: float = 0.0  # exposed context-parallel communication (Ulysses all-to-all, ring K/V passing)
     cp_bytes: float = 0.0  # bytes one rank sends for context parallel per step
+    sim_args: tuple = ()  # (schedule, pp, microbatches, virtual_stages, Costs in ms, options): what `sim` ran, for --steps
 
     @property
     def imbalance(self) -> float:
@@ -214,8 +215,9 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
     ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
-    sim = simulate(name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
-                   x.schedule_options if x.pp > 1 else ())
+    sim_args = (name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
+                x.schedule_options if x.pp > 1 else ())
+    sim = simulate(*sim_args)
     compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
     bubble = sim.makespan / 1e3 - compute
     if x.pp == 1:
@@ -261,7 +263,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     model = x.flops_per_token * x.global_tokens
     hardware = model + (block_forward_flops(cfg, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes)
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args)
 
 
 def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:

@@ -10,6 +10,7 @@ import functools
 
 from trainer.parallel.pipeline import Action, Costs, SimResult, StageLayout, compute_order, simulate_ranks
 from trainer.parallel.pipeline.schedules import SCHEDULES
+from trainer.parallel.pipeline.steps import StepsResult, simulate_steps
 
 
 Options = tuple[tuple[str, object], ...]  # a schedule's keyword options, hashable (zb-auto: costs, max_inflight)
@@ -55,3 +56,15 @@ def simulate(name: str, pp: int, microbatches: int, virtual_stages: int, costs: 
     """One step on the clock (async p2p: a transfer takes costs.comm after its producer ends)."""
     return simulate_ranks(lists(name, pp, microbatches, virtual_stages, options), layout(name, pp, virtual_stages), costs,
                           name=name, microbatches=microbatches)
+
+
+def simulate_many(timing, steps: int, *, overlap: bool = False) -> StepsResult:
+    """`steps` consecutive steps of the plan's simulated step (`timing`: a plan Timing, in milliseconds):
+    between steps the run's exposed data-parallel communication and optimizer step, as the runtime pays them
+    today (overlap=False), or post-validation's overlap (overlap=True: the state travels back one p2p hop
+    per stage; the runtime does not do this yet)."""
+    name, pp, microbatches, v, costs, options = timing.sim_args
+    hop = costs.comm if isinstance(costs.comm, int | float) else max(costs.comm, default=0.0)
+    sync = hop if overlap else 1e3 * timing.dp_s
+    return simulate_steps(lists(name, pp, microbatches, v, options), layout(name, pp, v), microbatches, costs, steps,
+                          overlap=overlap, sync=sync, optimizer=1e3 * timing.optimizer_s, name=name)

@@ -8,6 +8,7 @@
     validate(schedule)         # raises ScheduleError listing every broken rule
     result = simulate(schedule, Costs(f=1, b=1, w=1))             # makespan 27, bubble 11.1%
     print(render_ascii(result)); write_timeline("plan.svg", result)
+    simulate_steps(schedule.ranks, schedule.layout, 8, Costs(1, 1, 1), steps=6, overlap=True)  # steps.py
 
 Schedules: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v.
 
@@ -22,10 +23,11 @@ from trainer.parallel.pipeline.checks import ScheduleError, peak_inflight, probl
 from trainer.parallel.pipeline.schedules import SCHEDULES, build_schedule, compute_order, schedule_names
 from trainer.parallel.pipeline.simulate import Costs, Deadlock, SimResult, simulate, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout
+from trainer.parallel.pipeline.steps import StepsResult, simulate_steps
 from trainer.parallel.pipeline.timeline import render_ascii, to_svg, write_timeline
 
 __all__ = [
     "Action", "Costs", "Deadlock", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "SimResult", "StageLayout",
     "build_schedule", "compute_order", "parse_action", "peak_inflight", "problems", "render_ascii",
-    "schedule_names", "simulate", "simulate_ranks", "to_svg", "to_torch_csv", "validate", "write_timeline",
+    "schedule_names", "simulate", "simulate_ranks", "simulate_steps", "StepsResult", "to_svg", "to_torch_csv", "validate", "write_timeline",
 ]

@@ -25,12 +25,14 @@ Bubble rate = 1 - sum(busy) / (pp * makespan): the idle share of one step,
 ramp included. `span_bubble_rate` measures it against the longest single
 rank's own first-start-to-last-end window instead: what remains if steps
 overlapped back to back (the zero-bubble paper's optimizer post-validation,
-which mantra does NOT implement, so one step always pays the ramp).
+which mantra's runtime does NOT implement yet, so one step always pays the
+ramp). steps.py simulates several consecutive steps, with the barrier mantra
+runs today or with post-validation's overlap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -162,11 +164,19 @@ def simulate(schedule: Schedule, costs: Costs | None = None, p2p: P2P = "async")
     )
 
 
+Gates = Mapping[tuple[int, int], tuple[Sequence[tuple[int, int]], float]]
+
+
 def simulate_ranks(
     ranks: Sequence[Sequence[Action]], layout: StageLayout, costs: Costs, p2p: P2P = "async",
-    *, name: str = "custom", microbatches: int | None = None,
+    *, name: str = "custom", microbatches: int | None = None, gates: Gates | None = None,
 ) -> SimResult:
-    """Simulate per-rank lists (complete or compute-only) on `layout`."""
+    """Simulate per-rank lists (complete or compute-only) on `layout`.
+
+    `gates` holds extra waits that are not data: {(rank, index): ([(rank, index), ...], delay)} lets the
+    compute action at ranks[rank][index] start only `delay` after every listed compute action ended
+    (steps.py: the barrier between two steps, or post-validation's deadline)."""
+    gates = gates or {}
     if p2p not in ("async", "blocking"):
         raise ValueError(f"p2p must be 'async' or 'blocking', got {p2p!r}")
     dur = costs.per_stage(layout)
@@ -201,6 +211,16 @@ def simulate_ranks(
         grad = 0.0 if s == last else arrival("B", s + 1, s, mb)
         return None if own is None or grad is None else max(own, grad)
 
+    ended: dict[tuple[int, int], float] = {}  # (rank, index) of a compute action -> its end
+
+    def gated(r: int, i: int, at: float) -> float | None:
+        if (r, i) not in gates:
+            return at
+        waits, delay = gates[(r, i)]
+        if any(w not in ended for w in waits):
+            return None
+        return max([at, *(ended[w] + delay for w in waits)])
+
     def step(r: int) -> bool:
         """Advance rank r by one item if it can; True on progress."""
         i = pos[r]
@@ -208,6 +228,8 @@ def simulate_ranks(
             return step_batch(r, batch_at[r][i])
         action = ranks[r][i]
         at = ready(action)
+        if at is not None and at >= 0:
+            at = gated(r, i, at)
         if at is None:
             return False
         if at < 0:
@@ -217,7 +239,7 @@ def simulate_ranks(
         spans[r].append(Span(r, action, start, end))
         for kind in (Kind.B, Kind.W) if action.kind == Kind.BW else (action.kind,):
             done[(kind, action.stage, action.microbatch)] = end
-        clock[r], pos[r] = end, i + 1
+        clock[r], pos[r], ended[(r, i)] = end, i + 1, end
         return True
 
     def step_batch(r: int, batch: tuple[Action, ...]) -> bool:
