@@ -79,6 +79,10 @@ def private_torch_uses(source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names
                       if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) >= 2 and _dotted(node.args[0]).split(".")[0] == "torch" \
+                and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_"):
+            found.append((node.lineno, f"{_dotted(node.args[0])}.{node.args[1].value}"))  # looked up by name
         elif isinstance(node, ast.Attribute):
             dotted = _dotted(node)
             if dotted.split(".")[0] == "torch" and node.attr.startswith("_") and not node.attr.startswith("__"):
@@ -102,6 +106,8 @@ def test_the_scan_sees_a_private_name():
     assert private_torch_uses("norms = torch._foreach_norm(grads)")
     assert private_torch_uses("ops = {torch.ops.aten._scaled_dot_product_flash_attention.default}")
     assert private_torch_uses('dp = root["a", "b"]._flatten(mesh_dim_name="dp")')
+    assert private_torch_uses('op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)')
+    assert not private_torch_uses("value = getattr(torch, name, None)")
     assert not private_torch_uses("dist.reduce_scatter_tensor(out, send, group=g)  # not torch._foreach_norm")
     assert not private_torch_uses('"""rebuilt through `torch.serialization._get_layout`"""')
 

@@ -2,7 +2,8 @@
 
 seq_len 512 on the tiny Llama (4 heads, 2 kv heads), SGD so parameters compare exactly (as
 test_parity_tp_fsdp.py). One single-process run is the reference for every layout: Ulysses and
-ring (zigzag) at cp 2 and 4, and cp composed with dp zero2, tp + sequence parallel and zero3.
+ring (zigzag) at cp 2 and 4, and cp composed with dp zero2, tp + sequence parallel, zero3 and
+pp (zb-h1, with selective recompute).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ LAYOUTS = {
     "ring-cp2-dp2-zero2": (4, {"cp": 2, "cp_kind": "ring", "optimizer_sharding": "zero2"}),
     "ulysses-cp2-tp2-sp": (4, {"cp": 2, "cp_kind": "ulysses", "tp": 2, "sequence_parallel": True}),
     "ring-cp2-zero3": (2, {"cp": 2, "cp_kind": "ring", "optimizer_sharding": "zero3"}),
+    # each stage gets the cp slice's RoPE positions; B and W passes apart, the ring's backward in B; selective
+    # recompute runs the ring's forward again in B and in W, its saved attention outputs left unchanged
+    "ring-cp2-pp2-zb-h1-selective": (4, {"cp": 2, "cp_kind": "ring", "pp": 2, "schedule": "zb-h1"},
+                                     {"activation_checkpointing": "selective"}),
 }
 
 
@@ -38,8 +43,9 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_context_parallel_matches_one_process(name, reference, tmp_path):
-    nproc, parallel = LAYOUTS[name]
-    assert_same_training(reference, train_on_ranks(tmp_path, name, nproc, LONG | {"parallel": parallel}, steps=STEPS))
+    nproc, parallel, *train = LAYOUTS[name]
+    settings = LONG | {"parallel": parallel, "train": LONG["train"] | (train[0] if train else {})}
+    assert_same_training(reference, train_on_ranks(tmp_path, name, nproc, settings, steps=STEPS))
 
 
 # -- validation: what runs is accepted, what does not is refused in one line naming the field -----------------
@@ -47,7 +53,6 @@ def test_context_parallel_matches_one_process(name, reference, tmp_path):
 REFUSED = [
     (["parallel.cp_kind=ulysses", "parallel.cp=4"], "parallel.cp", "Ulysses shards heads over tp·cp = 8"),  # 8 ranks: tp 2
     (["parallel.cp_kind=ring", "model.seq_len=2050"], "parallel.cp", "2·cp zigzag chunks"),
-    (["parallel.pp=2", "parallel.tp=1", "train.micro_batch=1"], "parallel.cp", "context parallel with pp > 1"),
     (["train.compile=true"], "train.compile", "torch.compile with context parallel"),
     (["parallel.cp_kind=hybrid"], "parallel.cp_kind", "ulysses"),
 ]
@@ -71,9 +76,13 @@ def test_a_valid_cp_layout_validates(tmp_path, capsys):
 
     assert main(["validate", str(_cp_manifest(tmp_path))]) == 0, capsys.readouterr().err
     assert main(["validate", str(_cp_manifest(tmp_path)), "--set", "parallel.cp_kind=ulysses"]) == 0
+    # with pp (every stage gets the cp slice's positions) and a validation loss (summed over dp x cp)
+    with_pp = {"launcher.nproc": 8, "parallel.pp": 2, "parallel.schedule": "zb-h1", "train.global_batch": 4,
+               "data.valid": ROOT / "manifests/data/python-docs.txt", "train.eval_every": 1}
+    assert main(["validate", str(_cp_manifest(tmp_path)), *(a for k, v in with_pp.items() for a in ("--set", f"{k}={v}"))]) == 0
 
 
-@pytest.mark.parametrize("overrides, field, words", REFUSED, ids=["ulysses-heads", "ring-seq-split", "pp", "compile", "unknown-kind"])
+@pytest.mark.parametrize("overrides, field, words", REFUSED, ids=["ulysses-heads", "ring-seq-split", "compile", "unknown-kind"])
 def test_unsupported_cp_layouts_are_refused_in_one_line(overrides, field, words, tmp_path, capsys):
     from launchers.cli import main
 

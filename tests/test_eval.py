@@ -1,7 +1,7 @@
 """Validation loss (data.valid, train.eval_every, train.eval_batches -> val_loss, val_ppl): the exact token
-mean over the validation batches, computed again here by hand, and the same number on 1 process, tp2 and
-pp2 x dp2 (checked by hand as well, not here: dp2, zero2, zero3, pp2 zero3, pp2 tp2 sp, pp2 zb-v and
-interleaved-1f1b with 4 layers)."""
+mean over the validation batches, computed again here by hand, and the same number on 1 process, tp2,
+pp2 x dp2, ring cp2 and Ulysses cp2 x pp2 (checked by hand as well, not here: dp2, zero2, zero3, pp2 zero3,
+pp2 tp2 sp, pp2 zb-v and interleaved-1f1b with 4 layers)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SGD = {"optimizer": {"name": "sgd", "lr": 0.05, "warmup": 0, "grad_clip": 1.0}}
 EVAL = {"train": {"eval_every": 2, "eval_batches": 2}}
 STEPS = 4
-LAYOUTS = {"tp2": (2, {"tp": 2}), "pp2-dp2": (4, {"pp": 2})}  # pp2-dp2's dp sums go through the same reduce as dp alone
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}),
+    "pp2-dp2": (4, {"pp": 2}),  # pp2-dp2's dp sums go through the same reduce as dp alone
+    "ring-cp2": (2, {"cp": 2, "cp_kind": "ring"}),  # each cp rank the mean of its zigzag slice, summed over cp
+    "ulysses-cp2-pp2": (4, {"cp": 2, "cp_kind": "ulysses", "pp": 2}),  # the stages get the slice's positions
+}
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""The loader's background reader: what it reads equals a synchronous read, and a failure in it is never a
-hang. A data source that raises on rank 1's k-th sample under `mantra run --nproc 2` ends the job within
-10 s, with the reader's traceback, the source and the sample."""
+"""The loader's background reader, a thread or worker processes (data.workers): what it reads equals a
+synchronous read, and a failure in it is never a hang. A data source that raises on rank 1's k-th sample
+under `mantra run --nproc 2` ends the job within 10 s, with the reader's traceback, the source and the
+sample; so does a worker process killed with SIGKILL, with the step, samples and source it was reading."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import torch
 import yaml
 
 from conftest import ROOT, tiny_config
+from trainer import data as data_module
 from trainer import prefetch as P
 from trainer.data import build_loader
 from trainer.manifest.schema import DataSection
@@ -39,6 +42,71 @@ def test_prefetched_steps_equal_synchronous_reads_and_a_jump_restarts(tmp_path):
     assert thread.is_alive() and thread.daemon
     ahead.close()
     assert not thread.is_alive()
+
+
+def _tokens(tmp_path):
+    path = tmp_path / "x.bin"
+    (np.arange(64 * 8 + 1) % 256).astype(np.uint16).tofile(path)
+    return str(path)
+
+
+def _loader(path, prefetch, workers):
+    return build_loader(DataSection(source="tokens", path=path, prefetch=prefetch, workers=workers), seq_len=8,
+                        vocab=256, seed=1, global_batch=4, micro_batch=2, microbatches=2)
+
+
+def test_worker_processes_read_what_a_synchronous_read_gives(tmp_path):
+    path = _tokens(tmp_path)
+    sync, ahead = _loader(path, 0, 0), _loader(path, 3, 2)
+    for step in [0, 1, 2, 3, 9, 10, 2, 3]:  # 9 and the second 2: a jump starts the workers over from there
+        got, want = ahead.microbatches(step), sync.microbatches(step)
+        assert all(torch.equal(a, b) for pa, pb in zip(got, want) for a, b in zip(pa, pb))
+    workers = list(ahead._ahead._pool._processes.values())
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    ahead.close()
+    assert not any(w.is_alive() for w in workers)
+
+
+def _fail_in_workers(monkeypatch, how, at_window=5):
+    """TokenStream.window raises (or the process kills itself) at window `at_window`, in forked workers only."""
+    parent, real = os.getpid(), data_module.TokenStream.window
+
+    def window(self, index, seq_len):
+        if os.getpid() != parent and index == at_window:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(f"injected read error at window {index}")
+        return real(self, index, seq_len)
+
+    monkeypatch.setattr(data_module.TokenStream, "window", window)  # forked workers inherit it
+
+
+def _step_reading(loader, window):
+    return next(s for s in range(64) if window in loader.order.samples(s)[1])
+
+
+def test_a_worker_that_raises_or_dies_fails_the_step_that_needed_it(tmp_path, monkeypatch):
+    path = _tokens(tmp_path)
+    _fail_in_workers(monkeypatch, "raise")
+    ahead = _loader(path, 2, 2)
+    bad = _step_reading(ahead, 5)
+    with pytest.raises(data_module.DataReadError, match=r"reading sample \d+ \(step \d+, window 5\) of data source") as err:
+        for step in range(bad + 1):
+            ahead.microbatches(step)
+    assert step == bad  # the steps before it came through
+    remote = str(err.value.__cause__)  # the worker's own traceback, as text
+    assert "OSError: injected read error at window 5" in remote and "in _worker_read" in remote
+    ahead.close()
+
+    _fail_in_workers(monkeypatch, "kill")
+    ahead = _loader(path, 2, 2)
+    start = time.perf_counter()
+    with pytest.raises(P.PrefetchError, match=rf"a data worker process died while reading step {bad} \(samples "
+                       rf"{bad * 4}\.\.{bad * 4 + 3} of data source '.*x.bin'\)"):
+        for step in range(bad + 1):
+            ahead.microbatches(step)
+    assert time.perf_counter() - start < 5
+    ahead.close()
 
 
 def test_an_exception_in_the_reader_is_raised_by_the_step_that_needed_it():
@@ -88,6 +156,9 @@ if os.environ.get("RANK") == "1":  # torchrun's worker of rank 1 only
         if calls["n"] == int(os.environ["FAIL_SAMPLE"]):
             with open(os.environ["FAIL_STAMP"], "w") as f:
                 f.write(repr(time.time()))
+            if os.environ["FAIL_HOW"] == "kill":  # a data worker process killed in the middle of a read
+                import signal
+                os.kill(os.getpid(), signal.SIGKILL)
             raise OSError(f"injected read error at window {index}")
         return real(self, index, seq_len)
     data.TokenStream.window = window
@@ -96,29 +167,38 @@ if os.environ.get("RANK") == "1":  # torchrun's worker of rank 1 only
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_failing_data_source_ends_the_job_within_seconds(tmp_path):
+@pytest.mark.parametrize("workers, how", [(0, "raise"), (2, "raise"), (2, "kill")])
+def test_a_failing_data_source_ends_the_job_within_seconds(tmp_path, workers, how):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(FAULT)  # every rank imports it at start-up
     config = tiny_config("datafault", tmp_path / "run", steps=100000)
     config["launcher"] = {"nproc": 2}
+    config["data"]["workers"] = workers  # 0: the reader thread; 2: worker processes, forked from rank 1
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     stamp = tmp_path / "failed-at"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]), FAIL_SAMPLE="200",
-               FAIL_STAMP=str(stamp), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               FAIL_STAMP=str(stamp), FAIL_HOW=how, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(path), "--nproc", "2"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180)
     ended = time.time()
     assert stamp.exists(), proc.stderr[-3000:]
     delay = ended - float(stamp.read_text())
     assert delay < 10, f"the job outlived its failed data source by {delay:.1f} s"
-    print(f"job ended {delay:.2f} s after the data source failed")
+    print(f"job ended {delay:.2f} s after the data source failed ({'thread' if not workers else 'workers'}, {how})")
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
-    assert "OSError: injected read error at window" in err
-    assert "trainer.data.DataReadError: reading sample " in err and "of data source '" in err
-    assert "python-docs.txt' failed" in err  # the source, by the name the manifest gives it
-    assert "trainer/prefetch.py" in err and "in _work" in err  # the reader thread's traceback
+    if how == "raise":
+        assert "OSError: injected read error at window" in err
+        assert "trainer.data.DataReadError: reading sample " in err and "of data source '" in err
+        assert "python-docs.txt' failed" in err  # the source, by the name the manifest gives it
+        if workers:  # the worker process's traceback, carried over as text
+            assert "_RemoteTraceback" in err and "in _worker_read" in err
+        else:  # the reader thread's traceback
+            assert "trainer/prefetch.py" in err and "in _work" in err
+    else:
+        assert "trainer.prefetch.PrefetchError: a data worker process died while reading step " in err
+        assert "python-docs.txt')" in err and "(samples " in err  # the samples and the source it was reading
     assert "resource_tracker" not in err and "leaked" not in err  # no shared memory left behind
     rows = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     assert rows  # it trained until the failure

@@ -63,6 +63,10 @@ APIS = {
     "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*",
                     otherwise="the attention ops this torch lacks are left out of the set"),
     "profiler_events": Api("the CPU live-tensor tracker (bench/, tests/)", "torch._C._profiler._EventType"),
+    "cpu_flash": Api("ring attention's fused CPU blocks (parallel.cp_kind: ring)",
+                     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu and its _backward "
+                     "(the same schemas on 2.11 and 2.13)",
+                     otherwise="each block as matmuls over query-row chunks (the same result, slower)"),
 }
 
 RESOLVED: list[str] = []  # every private name looked up in this process, in order (tests read it)
@@ -150,6 +154,22 @@ def sdpa_ops() -> set:
         if packet is not None:
             RESOLVED.append(f"torch.ops.aten.{name}")
             ops.add(packet.default)
+    return ops
+
+
+@functools.cache
+def cpu_flash_attention() -> tuple[Any, Any] | None:
+    """torch's CPU flash-attention (forward, backward) ops, or None if this torch lacks either. Forward
+    (q, k, v, dropout_p, is_causal, *, scale) returns (out, row log-sum-exp); backward (dout, q, k, v, out,
+    lse, dropout_p, is_causal, *, scale) returns (dq, dk, dv) from the final out and lse, so a ring
+    attention block's gradients come out right (trainer/parallel/context/ring.py)."""
+    import torch
+
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+    ops = tuple(getattr(torch.ops.aten, name, None) for name in names)
+    if any(op is None for op in ops):
+        return None
+    RESOLVED.extend(f"torch.ops.aten.{name}" for name in names)
     return ops
 
 

@@ -13,22 +13,35 @@ j within that source (trainer/blend.py: a pure function of the weights and g);
 then j is cut and shuffled as above in that source's own windows, its epochs
 counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
 (data.valid) is read in order, unshuffled: the same global batches each time.
-The loader reads the next steps in a background thread (trainer/prefetch.py).
+The loader reads the next steps in a background thread, or with data.workers in
+worker processes that each open the data themselves (trainer/prefetch.py).
 Files of token ids are written by `mantra data tokenize` (trainer/corpus/).
+
+data.document_mask: each microbatch also carries `documents` [micro_batch, seq_len], every input
+token's document number within its window (`document_ids`), and attention stays within a document
+(trainer/models/llama/model.py). Boundaries come from the EOS id, which the file's .idx header names
+(one EOS ends each document, as tokenize writes them), not from the .idx lengths: the mask is then a
+function of the window's own tokens, costs no search per window, and matches Megatron's
+reset_attention_mask and torchtitan's document mask, which also cut at the EOS id. The price: an EOS
+id inside a document's text (a NUL byte under the byte tokenizer, a literal special token) cuts there too.
 """
 
 from __future__ import annotations
 
 import stat
+import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from trainer.blend import Blend
+from trainer.corpus import CorpusError
+from trainer.corpus.index import index_path, read_index
 from trainer.manifest.schema import DataSection, DataSource, TokenDtype
-from trainer.prefetch import Prefetcher
+from trainer.prefetch import Prefetcher, ProcessPrefetcher
 
 BYTE_VOCAB = 256
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -104,6 +117,9 @@ def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
     if size < seq_len + 1:
         return [(field, f"file '{path}' holds {size} tokens, fewer than one window of seq_len + 1 = "
                  f"{seq_len + 1}; use a longer corpus or a smaller model.seq_len")]
+    if data.document_mask and src is DataSource.tokens and (problem := _file_problem(index_path(path))):
+        return [(field, f"document index '{index_path(path)}' {problem} (data.document_mask reads the EOS id "
+                 "there); run `mantra data tokenize`, which writes it, or set document_mask: false")]
     return []
 
 
@@ -115,6 +131,9 @@ def check_data(
     Fields: path, dtype, tokenizer, sources (the blend as a whole), sources.<i>.path, valid."""
     errors: list[tuple[str, str]] = []
     src = DataSource(data.source)
+    if data.document_mask and src is not DataSource.tokens:
+        errors.append(("document_mask", f"needs data.source: tokens (a file from `mantra data tokenize`, whose .idx "
+                       f"names the EOS id), got '{src.value}'; tokenize the data or set document_mask: false"))
     if src is DataSource.synthetic:
         if data.sources:
             errors.append(("sources", "a blend reads files; set data.source to tokens or text, or remove data.sources"))
@@ -140,10 +159,12 @@ def check_data(
 
 
 class TokenStream:
-    """Token ids to cut windows from: an array/memmap, or seeded uniform ids when `tokens` is None."""
+    """Token ids to cut windows from: an array/memmap, or seeded uniform ids when `tokens` is None.
+    `eos`: the id that ends each document, when the loader masks attention at documents."""
 
-    def __init__(self, tokens: np.ndarray | None, *, vocab: int, seed: int = 0, name: str = "synthetic") -> None:
-        self.tokens, self.vocab, self.seed, self.name = tokens, vocab, seed, name
+    def __init__(self, tokens: np.ndarray | None, *, vocab: int, seed: int = 0, name: str = "synthetic",
+                 eos: int | None = None) -> None:
+        self.tokens, self.vocab, self.seed, self.name, self.eos = tokens, vocab, seed, name, eos
 
     @property
     def n_tokens(self) -> int | None:
@@ -177,12 +198,28 @@ def _open_file(value: str, field: str, data: DataSection, *, seq_len: int, vocab
         if tokens.size < seq_len + 1:
             raise DataError(f"data.{field}: file '{path}' holds {tokens.size} tokens, fewer than one window of "
                             f"seq_len + 1 = {seq_len + 1}; use a longer corpus or a smaller model.seq_len")
-    stream = TokenStream(tokens, vocab=vocab, seed=seed, name=str(value))
+    eos = _eos_of(path, field, tokens.shape[0]) if data.document_mask else None
+    stream = TokenStream(tokens, vocab=vocab, seed=seed, name=str(value), eos=eos)
     top = stream.max_id()
     if top >= vocab:
         raise DataError(f"data.{field}: file '{path}' has token id {top} >= model.vocab {vocab}; "
                         f"raise model.vocab to at least {top + 1} or re-tokenize with a smaller vocabulary")
     return stream
+
+
+def _eos_of(path: Path, field: str, n_tokens: int) -> int:
+    """The EOS id the token file's .idx names (checked against the file's length)."""
+    try:
+        return int(read_index(index_path(path), n_tokens).header["eos"])
+    except CorpusError as exc:
+        raise DataError(f"data.{field}: data.document_mask reads the EOS id from the document index: {exc}") from None
+
+
+def document_ids(inputs: np.ndarray, eos: int) -> np.ndarray:
+    """Each input token's document number within its window (last axis): the EOS ids before it. An EOS
+    belongs to the document it ends; the next token starts a new one."""
+    ends = inputs == eos
+    return np.cumsum(ends, axis=-1) - ends
 
 
 def _checked(data: DataSection, *, seq_len: int, vocab: int, base_dir: str | Path | None) -> None:
@@ -301,45 +338,102 @@ class DataReadError(RuntimeError):
     """Reading a sample failed: names the source, the sample and the step (the cause is chained)."""
 
 
+@dataclass(frozen=True)
+class WorkerRecipe:
+    """What a data worker process needs to open the same data and sample order itself: build_loader's
+    arguments (paths absolute or against base_dir), so no memmap or tensor crosses a process boundary."""
+
+    data: DataSection
+    loader_args: dict[str, Any]
+    workers: int
+
+
+_WORKER: dict[str, Loader] = {}  # in a data worker process: the loader it reads with
+
+
+def _worker_init(recipe: WorkerRecipe) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # a signal to the job is the rank's to handle;
+        signal.signal(sig, signal.SIG_IGN)                       # the worker ends when the rank closes the pool
+    _WORKER["loader"] = build_loader(recipe.data, **recipe.loader_args, prefetch=0, workers=0)
+
+
+def _worker_read(step: int) -> list[tuple[np.ndarray, ...]]:
+    return _WORKER["loader"].read_arrays(step)
+
+
 class Loader:
-    """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64.
+    """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64;
+    [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`).
 
     prefetch > 0: a background thread reads that many steps ahead (trainer/prefetch.py), into pinned
-    memory when `pin_memory` (a GPU run). Call `close()` when done."""
+    memory when `pin_memory` (a GPU run). `workers` (data.workers): worker processes read the steps
+    instead, max(prefetch, workers) ahead, and hand over numpy arrays that become tensors here.
+    Call `close()` when done."""
 
     def __init__(self, streams: TokenStream | Sequence[TokenStream], order: SampleOrder, seq_len: int, *,
-                 prefetch: int = 0, pin_memory: bool = False, unit: str = "step") -> None:
+                 prefetch: int = 0, pin_memory: bool = False, unit: str = "step",
+                 workers: WorkerRecipe | None = None) -> None:
         self.streams = [streams] if isinstance(streams, TokenStream) else list(streams)
         self.order, self.seq_len, self.pin_memory, self.unit = order, seq_len, pin_memory, unit
-        self._ahead = Prefetcher(self.read, prefetch) if prefetch > 0 else None
+        self.documents = any(st.eos is not None for st in self.streams)
+        self._workers = workers is not None
+        if workers is not None:
+            self._ahead = ProcessPrefetcher(_worker_read, max(prefetch, workers.workers), workers.workers,
+                                            initializer=_worker_init, initargs=(workers,), describe=self.describe)
+        else:
+            self._ahead = Prefetcher(self.read, prefetch) if prefetch > 0 else None
 
     @property
     def stream(self) -> TokenStream:
         return self.streams[0]
 
-    def read(self, step: int) -> list[tuple[Any, Any]]:
-        """The step's microbatches, read now (any thread); DataReadError names what failed."""
-        import torch
+    def describe(self, step: int) -> str:
+        """The global samples this rank reads at `step` and their sources, for an error message."""
+        o = self.order
+        first = step * o.global_batch + o.dp_rank * o.local
+        names = ", ".join(f"'{self.streams[int(s)].name}'" for s in np.unique(o.samples(step)[0]))
+        return f"samples {first}..{first + o.local - 1} of data source {names}"
 
+    def read_arrays(self, step: int) -> list[tuple[np.ndarray, ...]]:
+        """The step's microbatches as numpy arrays: (windows [micro_batch, seq_len + 1],) and their document
+        numbers [micro_batch, seq_len] under document_mask. Read now, in any thread or process;
+        DataReadError names what failed."""
         src, win = self.order.samples(step)
         out = []
         for m, (row_src, row_win) in enumerate(zip(src, win)):
-            rows = []
+            rows, docs = [], []
             for k, (s, w) in enumerate(zip(row_src, row_win)):
                 try:
                     rows.append(self.streams[int(s)].window(int(w), self.seq_len))
+                    if self.documents:
+                        docs.append(document_ids(rows[-1][:-1], self.streams[int(s)].eos))
                 except Exception as exc:
                     o = self.order
                     sample = step * o.global_batch + o.dp_rank * o.local + m * o.micro_batch + k  # global index
                     raise DataReadError(f"reading sample {sample} ({self.unit} {step}, window {int(w)}) of data source "
                                         f"'{self.streams[int(s)].name}' failed: {type(exc).__name__}: {exc}") from exc
-            batch = torch.from_numpy(np.stack(rows))
-            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-            out.append((x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y))
+            out.append((np.stack(rows), np.stack(docs)) if self.documents else (np.stack(rows),))
         return out
 
-    def microbatches(self, step: int) -> list[tuple[Any, Any]]:
-        out = self._ahead.get(step) if self._ahead is not None else self.read(step)
+    def _tensors(self, arrays: list[tuple[np.ndarray, ...]]) -> list[tuple[Any, ...]]:
+        import torch
+
+        out = []
+        for windows, *documents in arrays:
+            batch = torch.from_numpy(windows)
+            tensors = (batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), *map(torch.from_numpy, documents))
+            out.append(tuple(t.pin_memory() for t in tensors) if self.pin_memory else tensors)
+        return out
+
+    def read(self, step: int) -> list[tuple[Any, ...]]:
+        """The step's microbatches as tensors, read now (any thread); DataReadError names what failed."""
+        return self._tensors(self.read_arrays(step))
+
+    def microbatches(self, step: int) -> list[tuple[Any, ...]]:
+        if self._ahead is None:
+            out = self.read(step)
+        else:
+            out = self._tensors(self._ahead.get(step)) if self._workers else self._ahead.get(step)
         self.order.step = step + 1
         return out
 
@@ -364,16 +458,23 @@ def _fingerprint(data: DataSection, streams: list[TokenStream], seq_len: int) ->
 def build_loader(data: DataSection, *, seq_len: int, vocab: int, seed: int, global_batch: int,
                  micro_batch: int, microbatches: int, dp_rank: int = 0, dp_size: int = 1,
                  base_dir: str | Path | None = None, pin_memory: bool = False,
-                 prefetch: int | None = None) -> Loader:
+                 prefetch: int | None = None, workers: int | None = None) -> Loader:
     """Open `data` (one file or a blend) and the sample order for one dp rank; DataError names the file
-    and the fix. `prefetch`: steps read ahead, default data.prefetch."""
+    and the fix. `prefetch`: steps read ahead, default data.prefetch; `workers`: reader processes,
+    default data.workers (0: the thread)."""
     streams = open_streams(data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
     order = SampleOrder([st.n_windows(seq_len) for st in streams] if data.sources else streams[0].n_windows(seq_len),
                         seed=seed, global_batch=global_batch, micro_batch=micro_batch, microbatches=microbatches,
                         dp_rank=dp_rank, dp_size=dp_size, fingerprint=_fingerprint(data, streams, seq_len),
                         weights=[s.weight for s in data.sources] if data.sources else None)
+    workers = data.workers if workers is None else workers
+    recipe = None
+    if workers > 0:
+        recipe = WorkerRecipe(data, dict(seq_len=seq_len, vocab=vocab, seed=seed, global_batch=global_batch,
+                                         micro_batch=micro_batch, microbatches=microbatches, dp_rank=dp_rank,
+                                         dp_size=dp_size, base_dir=base_dir), workers)
     return Loader(streams, order, seq_len, prefetch=data.prefetch if prefetch is None else prefetch,
-                  pin_memory=pin_memory)
+                  pin_memory=pin_memory, workers=recipe)
 
 
 def build_valid_loader(data: DataSection, *, seq_len: int, vocab: int, global_batch: int, micro_batch: int,

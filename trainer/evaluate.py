@@ -11,8 +11,12 @@ divided once. Under dp each rank sums its share and the sums are added over
 the dp group; under tp every rank of a tp group computes the same loss
 (vocab-parallel cross-entropy); under pp the stages run each microbatch in
 turn (`pipeline_forward_losses`) and the last stage's sum is broadcast over
-the pp group. So every layout reports the number one process reports, within
-float round-off. Runs on every rank: it holds collectives.
+the pp group; under cp each cp rank takes its slice of every sequence (as in
+training: its tokens, targets and RoPE positions), the mean over its
+seq_len/cp tokens, and the sums are added over the dp×cp group, every cp
+rank's mean being over as many tokens. So every layout reports the number one
+process reports, within float round-off. Runs on every rank: it holds
+collectives.
 """
 
 from __future__ import annotations
@@ -37,13 +41,20 @@ def _full(loss: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def model_forward_losses(model: torch.nn.Module, microbatches, device: torch.device,
                          autocast: contextlib.AbstractContextManager,
-                         loss_context: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-    """Sum over the microbatches of each one's mean token cross-entropy (float64, on `device`)."""
+                         loss_context: Callable[[], contextlib.AbstractContextManager], cp=None) -> torch.Tensor:
+    """Sum over the microbatches of each one's mean token cross-entropy (float64, on `device`). `cp` (a
+    context.split.ContextShard): the mean over this cp rank's slice of each sequence."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for inputs, targets in microbatches:
+    for inputs, targets, *documents in microbatches:  # documents: data.document_mask
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        positions = None
+        if cp is not None:
+            inputs, targets, positions = cp.slice(inputs, targets)
         with autocast:
-            logits = model(inputs)
+            if documents:
+                logits = model(inputs, documents=documents[0].to(device))
+            else:
+                logits = model(inputs) if positions is None else model(inputs, positions)
         with loss_context():
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         total += _full(loss).double()
@@ -54,15 +65,18 @@ def model_forward_losses(model: torch.nn.Module, microbatches, device: torch.dev
 def pipeline_forward_losses(stages: Mapping[int, torch.nn.Module], rank_of: Callable[[int], int], num_stages: int,
                             group: dist.ProcessGroup, device: torch.device, act_shape: Sequence[int],
                             act_dtype: torch.dtype, microbatches, autocast: contextlib.AbstractContextManager,
-                            loss_context: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor | None:
+                            loss_context: Callable[[], contextlib.AbstractContextManager],
+                            positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """Forward only through pipeline stages: the sum of each microbatch's mean loss on the last stage's
     rank, None on the others. `stages`: this rank's stage modules by index; `rank_of(stage)`: the pp rank
-    holding a stage (group ranks).
+    holding a stage (group ranks); `positions`: the tokens' RoPE positions under context parallel, handed
+    to every stage (the microbatches are then this cp rank's slices).
 
     Microbatch by microbatch, stage by stage in model order: every rank walks the same global order, so
     each recv meets the send just before it in that order and nothing can wait on a later step."""
     total = torch.zeros((), dtype=torch.float64, device=device) if num_stages - 1 in stages else None
     sends: list[tuple[dist.Work, torch.Tensor]] = []
+    extra = () if positions is None else (positions,)
     for mb, (tokens, targets) in enumerate(microbatches):
         h = None
         for s in range(num_stages):
@@ -79,7 +93,7 @@ def pipeline_forward_losses(stages: Mapping[int, torch.nn.Module], rank_of: Call
                 for work in dist.batch_isend_irecv([recv]):
                     work.wait()
             with autocast:
-                out = stages[s](inp)
+                out = stages[s](inp, *extra)
             if s == num_stages - 1:
                 with loss_context():
                     loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(device, non_blocking=True).flatten())
@@ -100,9 +114,10 @@ class Validation:
     """When to evaluate and how; `at(step)` returns the metrics row's val_loss and val_ppl."""
 
     def __init__(self, loader, batches: int, every: int, steps: int, forward: Callable[[list], torch.Tensor],
-                 reduce: Callable[[torch.Tensor], torch.Tensor], dp: int) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor], ranks: int) -> None:
+        """`reduce` adds the sums of `ranks` ranks (dp×cp), each over its share of the tokens."""
         self.loader, self.batches, self.every, self.steps = loader, batches, every, steps
-        self.forward, self.reduce, self.dp = forward, reduce, dp
+        self.forward, self.reduce, self.ranks = forward, reduce, ranks
 
     def due(self, step: int) -> bool:
         return self.loader is not None and (step == self.steps or (self.every > 0 and step % self.every == 0))
@@ -115,7 +130,7 @@ class Validation:
             part = self.forward(microbatches)
             total = part if total is None else total + part
             count += len(microbatches)
-        return float(self.reduce(total).item()) / (count * self.dp)  # microbatch means, all dp ranks
+        return float(self.reduce(total).item()) / (count * self.ranks)  # microbatch means, all dp×cp ranks
 
     def at(self, step: int) -> dict[str, Any]:
         if not self.due(step):
@@ -125,8 +140,9 @@ class Validation:
 
 
 def build_validation(run, model, pipeline, mesh, device: torch.device, autocast, dp_rank: int,
-                     pin_memory: bool = False) -> Validation:
-    """The run's validation (a no-op one without data.valid)."""
+                     pin_memory: bool = False, cp=None) -> Validation:
+    """The run's validation (a no-op one without data.valid). `cp`: this rank's context.split.ContextShard
+    under context parallel (cp ranks of a dp rank read the same batches and each evaluates its slice)."""
     from trainer.data import build_valid_loader
     from trainer.parallel.tensor import loss_context
 
@@ -138,20 +154,24 @@ def build_validation(run, model, pipeline, mesh, device: torch.device, autocast,
 
     def losses(microbatches) -> torch.Tensor:
         if pipeline is None:
-            return model_forward_losses(model, microbatches, device, autocast, lambda: loss_context(tp))
+            return model_forward_losses(model, microbatches, device, autocast, lambda: loss_context(tp), cp)
         ex = pipeline.executor
+        positions = None
+        if cp is not None:  # every stage gets this cp rank's slice
+            microbatches, positions = cp.slice_each(microbatches)
         total = pipeline_forward_losses(pipeline.stages, ex.layout.rank_of, ex.layout.num_stages, pipeline.group,
                                         device, ex.act_shape, ex.act_dtype, microbatches, autocast,
-                                        lambda: loss_context(tp))
+                                        lambda: loss_context(tp), positions)
         out = torch.zeros((), dtype=torch.float64, device=device) if total is None else total
         dist.broadcast(out, group=pipeline.group, group_src=pipeline.loss_rank)
         return out
 
-    dp_group = mesh["dp"].get_group() if mesh is not None and run.dp > 1 else None
+    ranks = run.dp * m.parallel.cp  # cp ranks: other tokens of the same samples
+    group = mesh["dp_cp"].get_group() if mesh is not None and ranks > 1 else None
 
     def reduce(total: torch.Tensor) -> torch.Tensor:
-        if dp_group is not None:  # each dp rank's sum over its share of every batch
-            dist.all_reduce(total, group=dp_group)
+        if group is not None:  # each dp×cp rank's sum over its share of every batch
+            dist.all_reduce(total, group=group)
         return total
 
-    return Validation(loader, m.train.eval_batches, m.train.eval_every, m.train.steps, losses, reduce, run.dp)
+    return Validation(loader, m.train.eval_batches, m.train.eval_every, m.train.steps, losses, reduce, ranks)

@@ -80,14 +80,17 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
     `cp`: under context parallel this rank's slice of each sequence (its tokens, targets and RoPE
     positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean."""
     total = None
-    for i, (inputs, targets) in enumerate(microbatches):
+    for i, (inputs, targets, *documents) in enumerate(microbatches):  # documents: data.document_mask
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         positions = None
         if cp is not None:
             inputs, targets, positions = cp.slice(inputs, targets)
         with sync.backward_context(last=i == len(microbatches) - 1):
             with autocast:
-                logits = model(inputs) if positions is None else model(inputs, positions)
+                if documents:
+                    logits = model(inputs, documents=documents[0].to(device, non_blocking=True))
+                else:
+                    logits = model(inputs) if positions is None else model(inputs, positions)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                 del logits  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
@@ -159,7 +162,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     meter = Meter(run, device, mesh, pipeline)
     autocast = autocast_for(run, device)
     validation = build_validation(run, model, pipeline, mesh, device, autocast, layout.dp_rank(info.rank),
-                                  device.type == "cuda")  # data.valid: val_loss at train.eval_every steps
+                                  device.type == "cuda", cp)  # data.valid: val_loss at train.eval_every steps
     own_flag = preempt is None
     preempt = PreemptionFlag().install() if own_flag else preempt  # a signal since start-up is kept
     guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
@@ -174,7 +177,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 meter.start()
                 microbatches = loader.microbatches(step - 1)
                 if pipeline is not None:  # the schedule's actions over the pipeline ranks
-                    loss = pipeline.step(microbatches, autocast)
+                    loss = pipeline.step(microbatches, autocast, cp)  # cp: each stage gets this cp rank's slice
                 else:
                     loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp)
                 grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))

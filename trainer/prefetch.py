@@ -1,4 +1,5 @@
-"""Read the next steps' batches in a background thread while the current step computes.
+"""Read the next steps' batches in the background while the current step computes: a thread, or
+worker processes for decode-heavy sources (data.workers).
 
     ahead = Prefetcher(make, depth=2)   # make(step) -> the step's batches (any thread)
     batches = ahead.get(step)          # step, step + 1, ...: ready when the step asks
@@ -15,17 +16,34 @@ that step's batches and raised by `get(step)` in the training thread, with the
 worker's traceback (the exception object keeps it), so the rank fails through
 the usual path (torchrun stops the others). A thread that is gone without an
 answer (it cannot be, short of interpreter teardown) is noticed within
-POLL_S and raised too. A thread and not worker processes: reading windows out
-of a memmap is cheap (bench/loader.py: the loader outruns a tiny CPU step
-many times over) and a thread leaves no processes or shared memory behind.
+POLL_S and raised too. The thread is the default: reading windows out of a
+memmap is cheap (bench/loader.py: the loader outruns a tiny CPU step many
+times over) and a thread leaves no processes behind.
+
+`ProcessPrefetcher` is the same contract over N worker processes (a
+concurrent.futures process pool). They are forked, as torch's DataLoader forks
+its workers on Linux: spawn and forkserver would import the main module again
+in each worker. A forked child inherits the rank's threads' locks held, so the
+worker code touches only numpy and the file system, never torch or a process
+group. Each worker builds its own reader once (`initializer`), then reads
+whole steps, `depth` of them in flight. Results
+come back pickled through the pool's pipes, never through shared memory, so a
+worker's death leaves nothing for the resource tracker to clean up. A worker
+that raises: its exception is raised by `get(step)` with the worker's
+traceback as its cause (concurrent.futures' remote traceback). A worker that
+dies (killed, out of memory): the pool notices at once and `get` raises
+PrefetchError naming the step and `describe(step)` (its samples and sources).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -111,4 +129,60 @@ class Prefetcher:
         if thread.is_alive():  # a read stuck in the file system: the daemon thread is left behind, said once
             log.warning("the data thread '%s' did not stop within %.0f s; leaving it", self.name, JOIN_S)
             return False
+        return True
+
+
+class ProcessPrefetcher:
+    """make(step) for the steps in order, `depth` ahead, over `workers` forked processes (module
+    docstring). `make` and `initializer` must be importable module-level functions."""
+
+    def __init__(self, make: Callable[[int], Any], depth: int, workers: int, *,
+                 initializer: Callable[..., None], initargs: tuple = (),
+                 describe: Callable[[int], str] = str) -> None:
+        if depth < 1 or workers < 1:
+            raise ValueError(f"prefetch depth and workers must be at least 1, got {depth} and {workers}")
+        self.make, self.depth, self.workers, self.describe = make, depth, workers, describe
+        self._init = (initializer, initargs)
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: dict[int, Future] = {}
+        self._next: int | None = None  # the step whose result is due next
+
+    def _start(self, step: int) -> None:
+        if self._pool is None:
+            initializer, initargs = self._init
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=initializer, initargs=initargs)
+        for future in self._futures.values():
+            future.cancel()
+        self._futures, self._next = {}, step
+
+    def get(self, step: int) -> Any:
+        """The batches of `step`; raises what make(step) raised, PrefetchError if a worker died."""
+        if self._pool is None or step != self._next:
+            self._start(step)
+        try:
+            for ahead in range(step, step + self.depth):  # keep `depth` steps in flight
+                if ahead not in self._futures:
+                    self._futures[ahead] = self._pool.submit(self.make, ahead)
+            value = self._futures.pop(step).result()
+        except BrokenProcessPool as exc:
+            self._abandon()
+            raise PrefetchError(f"a data worker process died while reading step {step} ({self.describe(step)}): "
+                                f"{exc}") from exc
+        except BaseException:
+            self._abandon()  # a retry starts over with fresh workers
+            raise
+        self._next = step + 1
+        return value
+
+    def _abandon(self) -> None:
+        pool, self._pool, self._futures, self._next = self._pool, None, {}, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> bool:
+        """Stop the workers (each finishes the step it is reading) and drop what they read ahead."""
+        pool, self._pool, self._futures = self._pool, None, {}
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         return True

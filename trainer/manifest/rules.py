@@ -322,12 +322,22 @@ def validation(m: Manifest) -> Iterator[Finding]:
     if m.train.eval_every and not m.data.valid:
         yield Finding("train.eval_every", f"{m.train.eval_every} asks for a validation loss but data.valid is not set; "
                       "set data.valid to a held-out file, or eval_every: 0")
-    elif m.data.valid and m.parallel.cp > 1 and not m.train.eval_every:  # with eval_every: not_supported_yet says it
-        yield Finding("data.valid", "not supported yet: validation under context parallel (parallel.cp > 1; it runs at "
-                      "the last step); remove data.valid or use cp: 1")
     elif m.data.valid and m.train.eval_every > m.train.steps:
         yield Finding("train.eval_every", f"{m.train.eval_every} exceeds train.steps {m.train.steps}: validation runs at "
                       "the last step only", "warning")
+
+
+@rule
+def document_mask_layouts(m: Manifest) -> Iterator[Finding]:
+    """data.document_mask reaches attention through the model's forward: not through a pipeline stage's
+    or a context-parallel core's yet."""
+    p = m.parallel
+    if m.data.document_mask and p.cp > 1:
+        yield Finding("data.document_mask", "not supported yet: document masking with context parallel (the ring "
+                      "and Ulysses cores take no mask); set document_mask: false or cp: 1")
+    if m.data.document_mask and p.pp > 1:
+        yield Finding("data.document_mask", "not supported yet: document masking with pipeline parallel (the "
+                      "stages pass no mask along); set document_mask: false or pp: 1")
 
 
 @rule
@@ -347,12 +357,6 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     if p.pp > 1 and m.model.tie_embeddings and p.optimizer_sharding == Sharding.zero3:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
                       "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
-    if p.cp > 1 and p.pp > 1:
-        yield Finding("parallel.cp", f"{_LATER}: context parallel with pp > 1 (cp works with dp, zero1/2/3 and tp); "
-                      "use cp: 1 or pp: 1")
-    if p.cp > 1 and m.data.valid and m.train.eval_every:
-        yield Finding("train.eval_every", f"{_LATER}: validation loss with context parallel (the evaluation forward "
-                      "does not split sequences over cp); set eval_every: 0 or cp: 1")
     if p.cp > 1 and m.train.compile:
         yield Finding("train.compile", f"{_LATER}: torch.compile with context parallel (its attention communicates "
                       "inside the block); set compile: false or cp: 1")

@@ -320,6 +320,14 @@ class DataSection(Section):
     prefetch: NonNegativeInt = Field(
         2, description="steps of batches a background thread reads ahead (pinned on GPU); 0: read in the step", le=64
     )
+    workers: NonNegativeInt = Field(
+        0, description="worker processes that read the steps ahead, for decode-heavy sources; 0: the prefetch "
+        "thread", le=64
+    )
+    document_mask: bool = Field(
+        False, description="attention stays within each document of a packed sample (documents end at the EOS id "
+        "the token file's .idx names); tokens source only"
+    )
 
 
 class CheckpointSection(Section):

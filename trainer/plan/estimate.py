@@ -211,7 +211,7 @@ def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, me
         moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=local, pp=p.pp,
         grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
-        cp=p.cp, cp_kind=p.cp_kind.value)
+        cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask)
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)

@@ -117,6 +117,7 @@ class Setup:
     gloo: bool = False  # collectives over gloo (CPU): they allocate temporaries NCCL does not (see `points`)
     cp: int = 1  # context parallel (cfg.seq_len is then a cp rank's share of the sequence)
     cp_kind: str = "ulysses"
+    document_mask: bool = False  # data.document_mask: a documents tensor per microbatch and one additive mask
 
     @property
     def mode(self) -> str:
@@ -159,7 +160,11 @@ def states(s: Setup) -> dict[str, float]:
     cfg = s.cfg
     total = _elems(s, lambda p: True)
     decayed = _elems(s, lambda p: p.is_matrix)
-    out: dict[str, float] = {"rope": 2 * cfg.seq_len * (cfg.dim // cfg.heads) * 4, "tokens": 16 * s.micro_batch * cfg.seq_len * s.loaded}
+    # inputs and targets (int64), and with data.document_mask each token's document number (int64)
+    per_token = 24 if s.document_mask else 16
+    out: dict[str, float] = {"rope": 2 * cfg.seq_len * (cfg.dim // cfg.heads) * 4,
+                             "tokens": per_token * s.micro_batch * cfg.seq_len * s.loaded,
+                             "doc_mask": document_mask_bytes(s)}
     if s.mode == "zero3":
         shard = sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params)
         out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params if p.is_matrix),
@@ -184,6 +189,12 @@ def states(s: Setup) -> dict[str, float]:
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
     return out
+
+
+def document_mask_bytes(s: Setup) -> float:
+    """data.document_mask: the additive [micro_batch, 1, S, S] mask of the microbatch in flight, built once in
+    attention's dtype and saved once for every block's backward (trainer/models/llama/model.py)."""
+    return s.micro_batch * s.cfg.seq_len ** 2 * (2 if s.bf16 else 4) if s.document_mask else 0.0
 
 
 def _first_bucket(backward_order: list[Param], first_bucket: int, tp: int) -> tuple[int, int]:
@@ -273,7 +284,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     # their saved log-softmax, and the logits' gradient of each microbatch whose weight-gradient pass waits
     others = lg["other"] * n_others + lg["grad"] * m.pending_w if s.last else 0.0
     autocast = z["casts"] * max(1.0, m.held + m.pending_w)
-    other = st["rope"] + st["tokens"]
+    other = st["rope"] + st["tokens"] + st["doc_mask"]  # (document_mask runs without pp: one microbatch held)
     g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
     if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)

@@ -62,13 +62,28 @@ class CausalAttention(nn.Module):
     """softmax(q kᵀ/√d + causal mask) v over the heads: [B, heads, S, head_dim] in and out; k and v
     may have fewer heads (grouped-query: query heads [g*r .. g*r+r) share kv head g, as in Hugging
     Face's repeat_kv). Parameter-free: context parallel swaps in a Ulysses or ring core that takes
-    the same arguments (parallelize.py)."""
+    the same arguments (parallelize.py). `mask` [B, 1, S, S] additive (data.document_mask, see
+    `document_mask`) replaces the causal mask: SDPA with an explicit mask, on every device (flex
+    attention has no backward on CPU in torch 2.13, and is not wired for GPU yet)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def document_mask(documents: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, 1, S, S] additive mask from documents [B, S] (each token's document number within its sample):
+    query i sees key j (0, else -inf) when j <= i and both lie in the same document, a block-diagonal
+    causal mask. Built once per forward in the dtype attention runs at and shared by every block, so
+    SDPA neither converts nor saves a copy per layer: micro_batch * S^2 * dtype bytes (trainer/plan)."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    allowed = (documents[:, :, None] == documents[:, None, :]) & causal
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, -math.inf)[:, None]
 
 
 class Attention(nn.Module):
@@ -84,14 +99,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head counts: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # cp cores take no mask (rules.py)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -116,8 +132,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the mask as a keyword: tensor parallel's PrepareModuleInput lays out the positional inputs only
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -151,15 +169,25 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] (S <= seq_len) -> logits [B, S, vocab] in fp32. `positions` [S]: the
-        sequence positions of the tokens when they are not 0..S-1 (a context-parallel rank's slice)."""
+        sequence positions of the tokens when they are not 0..S-1 (a context-parallel rank's slice).
+        `documents` [B, S] (data.document_mask): attention stays within each token's document; RoPE
+        positions keep running across documents (as Llama 3's pretraining: RoPE sees only offsets)."""
         cos, sin = rope_at(self, tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
+        mask = None if documents is None else document_mask(documents.to(tokens.device), attention_dtype(h))
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         h = self.norm(h)
         return head(self, h).float()
+
+
+def attention_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs at: autocast's (q, k, v come out of autocast linears), else h's."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
 def rope_at(model: nn.Module, seq: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,14 @@ K/V blocks go round the ring again; their dK/dV accumulators travel with them (o
 and arrive at their owner after the last step.
 
 Kept from forward to backward: this rank's q, k, v, out (fp32) and the row log-sum-exp, 1/cp of
-one process's. Grouped-query K/V travel with their own head count and are expanded to one head
-per query head only for the block being computed. Buffers while it runs: two K/V stacks (the
-one in use and the one arriving); in backward also dq and up to three fp32 dK/dV stacks (the
-one being filled, the one arriving, the one last sent). One block's attention runs in torch's
-fused CPU flash kernel (fp32 on CPU) or, elsewhere, as matmuls over query-row chunks of at most
-SCORE_ELEMENTS scores. tests/test_cp_attention.py measures all of this with the live-tensor tracker.
+one process's (out and lse are merged into a copy of the first block's result, never into a kernel's
+own output: selective recompute may have saved that one and refuses it changed). Grouped-query K/V
+travel with their own head count and are expanded to one head per query head only for the block
+being computed. Buffers while it runs: two K/V stacks (the one in use and the one arriving); in
+backward also dq and up to three fp32 dK/dV stacks (the one being filled, the one arriving, the one
+last sent). One block's attention runs in torch's fused CPU flash kernel (fp32 on CPU) or,
+elsewhere, as matmuls over query-row chunks of at most SCORE_ELEMENTS scores.
+tests/test_cp_attention.py measures all of this with the live-tensor tracker.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from trainer import compat
 
 KV_TAG, GRAD_TAG = 1, 2
 
@@ -45,13 +49,11 @@ FUSED = True  # on CPU in fp32, use torch's fused flash-attention kernels for a 
 
 def _fused_kernels(q: torch.Tensor):
     """torch's CPU flash-attention forward (returns the row log-sum-exp) and backward (takes the final out and
-    log-sum-exp, so one block's gradients come out right): private aten ops, looked up like compat.sdpa_ops.
+    log-sum-exp, so one block's gradients come out right): private aten ops, found by compat.cpu_flash_attention.
     None off the CPU, outside fp32, or when this torch lacks them: then blocks are plain matmuls below."""
     if not FUSED or q.device.type != "cpu" or q.dtype != torch.float32:
         return None
-    forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return (forward, backward) if forward is not None and backward is not None else None
+    return compat.cpu_flash_attention()
 
 
 def _row_chunks(q: torch.Tensor, k: torch.Tensor):
@@ -111,9 +113,10 @@ def block_backward(dout, q, k, v, out, lse, delta, scale: float, causal: bool, d
 
 def merge_(out, lse, out_b, lse_b) -> None:
     """Fold a partial softmax result over other keys into (out, lse), in place (views allowed):
-    log-sum-exp weights, never the exp of a large number."""
+    log-sum-exp weights, never the exp of a large number. out_b and lse_b are left as they are
+    (selective recompute may hold them: it refuses a saved attention output that was changed)."""
     new = torch.logaddexp(lse, lse_b)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(out_b.mul_(torch.exp(lse_b - new).unsqueeze(-1)))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).addcmul_(out_b, torch.exp(lse_b - new).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -188,8 +191,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 repeat = q.shape[1] // kv.shape[2]
                 out_b, lse_b = block_forward(q[:, :, rows], _expand(kv[0][:, :, keys], repeat),
                                              _expand(kv[1][:, :, keys], repeat), scale, causal)
-                if out is None:
-                    out, lse = out_b, lse_b
+                if out is None:  # the running result: a copy, as merge_ changes it (see merge_)
+                    out, lse = out_b.clone(), lse_b.clone()
                 else:
                     merge_(out[:, :, rows], lse[:, :, rows], out_b, lse_b)
                 del out_b, lse_b

@@ -74,3 +74,9 @@ class ContextShard:
         """[B, S] inputs and targets -> this rank's [B, S/cp] of each, and the [S/cp] positions."""
         where = positions(inputs.shape[1], self.cp, self.rank, self.zigzag).to(inputs.device)
         return shard(inputs, self.cp, self.rank, self.zigzag), shard(targets, self.cp, self.rank, self.zigzag), where
+
+    def slice_each(self, microbatches) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """This rank's (tokens, targets) of every microbatch, and their positions (the same for each:
+        every window is seq_len long). What a pipeline's stages are handed under context parallel."""
+        sliced = [self.slice(inputs, targets) for inputs, targets, *_ in microbatches]
+        return [(inputs, targets) for inputs, targets, _ in sliced], sliced[0][2]

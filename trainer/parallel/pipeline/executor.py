@@ -10,7 +10,8 @@ of consecutive SEND/RECV actions is posted as one `batch_isend_irecv`.
           are waited for at the end of the step
     F     stage input = tokens (stage 0), a received buffer, or the output of
           the previous stage on this rank (the V turn of zb-v); the last stage
-          also takes the loss, scaled by 1/microbatches
+          also takes the loss, scaled by 1/microbatches. Under context parallel
+          every stage also gets the cp slice's RoPE positions
     B     input gradient only; W later: weight gradients (backward.py)
     BW    both at once
 
@@ -87,8 +88,9 @@ class Executor:
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_context: GradContext,
-            autocast=None) -> tuple[torch.Tensor | None, StepTiming]:
-        """Execute the list once; returns (sum of loss/microbatches on the last stage's rank else None, timing)."""
+            autocast=None, positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, StepTiming]:
+        """Execute the list once; returns (sum of loss/microbatches on the last stage's rank else None, timing).
+        `positions`: the tokens' RoPE positions under context parallel, handed to every stage's forward."""
         if len(microbatches) != self.microbatches:
             raise ValueError(f"the schedule has {self.microbatches} microbatches, got {len(microbatches)}")
         self._batch = microbatches
@@ -98,6 +100,7 @@ class Executor:
         self._sent: list[tuple[dist.Work, torch.Tensor]] = []
         self._loss: torch.Tensor | None = None
         self._autocast = autocast or contextlib.nullcontext()
+        self._extra = () if positions is None else (positions,)  # the stages' arguments after their input
         timing, clock = StepTiming(), _Clock(self.device)
         start = time.perf_counter()
         i = 0
@@ -204,7 +207,7 @@ class Executor:
             tokens, targets = self._batch[mb]
             inp = None if s == 0 else self._take(("F", s, mb)).requires_grad_()
             with self._autocast:
-                out = self.stages[s](tokens.to(self.device, non_blocking=True) if s == 0 else inp)
+                out = self.stages[s](tokens.to(self.device, non_blocking=True) if s == 0 else inp, *self._extra)
             if last:
                 with self.loss_context():
                     loss = self.loss_fn(out, targets.to(self.device, non_blocking=True)) / self.microbatches

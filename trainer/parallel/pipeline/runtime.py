@@ -93,7 +93,8 @@ class Pipeline:
         self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
         # the model's parallelize built them (over its wrapped blocks; FSDP roots under zero3)
         self.stages = model.__dict__.get("pipeline_stages") or build_stages(model, run, self.pp_rank)
-        shape = activation_shape(run.batch.micro_batch, m.model.seq_len, m.model.dim, p.tp, p.sequence_parallel)
+        # a cp rank's stages carry its seq_len/cp tokens (the loop slices them, see `step`)
+        shape = activation_shape(run.batch.micro_batch, m.model.seq_len // p.cp, m.model.dim, p.tp, p.sequence_parallel)
         self.executor = Executor(
             self.schedule.ranks[self.pp_rank], self.stages, layout, self.pp_rank, self.group, device,
             shape, torch.float32, run.batch.microbatches, cross_entropy, lambda: loss_context(p.tp), cost,
@@ -117,10 +118,14 @@ class Pipeline:
             return _after(lambda: self.sync.reduce_stage(action.stage)) if final else contextlib.nullcontext()
         return self.sync.backward_context(last=final, stage=action.stage)
 
-    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None) -> torch.Tensor:
-        """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank."""
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None, cp=None) -> torch.Tensor:
+        """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank.
+        `cp` (a context.split.ContextShard): this cp rank's tokens, targets and RoPE positions of each microbatch."""
+        positions = None
+        if cp is not None:
+            microbatches, positions = cp.slice_each(microbatches)
         with self.sync.pipeline_step() if self.fsdp else contextlib.nullcontext():
-            loss, timing = self.executor.run(microbatches, self._grad_context, autocast)
+            loss, timing = self.executor.run(microbatches, self._grad_context, autocast, positions)
         self.sync.finish_backward()
         self.last = timing
         if self.profile is not None:

@@ -12,7 +12,8 @@ parameters of the whole model.
 
 The decoder contract (met by the llama plugin): `tok_embeddings`, `layers`
 (a ModuleDict keyed "0".."N-1"), `norm`, `output` (a TiedHead when tied: the last stage keeps the embedding too, see tied.py),
-`rope_cos` / `rope_sin` buffers, and blocks called as `block(h, cos, sin)`.
+`rope_cos` / `rope_sin` buffers, and blocks called as `block(h, cos, sin)`. Under context parallel
+every stage takes the cp slice's RoPE positions as a second argument (see StageModule.forward).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.llama.model import TiedHead
+from trainer.models.llama.model import TiedHead, rope_at
 from trainer.parallel.pipeline.stages import StageLayout
 
 
@@ -86,11 +87,13 @@ class StageModule(nn.Module):
         self.tied_embedding = model.tok_embeddings if self.is_last and isinstance(self.output, TiedHead) else None
         self._root = [model]  # a list: not registered as a submodule
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Stage 0 takes tokens [B, S]; others the hidden state. The last returns fp32 logits."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 takes tokens [B, S]; others the hidden state. The last returns fp32 logits.
+        `positions` [S]: the tokens' RoPE positions when they are not 0..S-1 (a context-parallel
+        rank's slice of the sequence); every stage of a microbatch is called with the same."""
         root = self._root[0]
         seq = x.shape[1] if self.is_first else root.cfg.seq_len  # later stages: training windows are seq_len long
-        cos, sin = root.rope_cos[:seq], root.rope_sin[:seq]
+        cos, sin = rope_at(root, seq, positions)
         h = self.tok_embeddings(x) if self.is_first else x
         for block in self.layers.values():
             h = block(h, cos, sin)
