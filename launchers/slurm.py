@@ -188,6 +188,10 @@ def rejection(stderr: str, runs: list[Resolved]) -> str:
         ("node count", f"launcher.slurm.nodes is {s.nodes}; the partition has fewer nodes"),
         ("processors", f"launcher.slurm.gpus_per_node (tasks per node) is {s.gpus_per_node}, "
                        f"cpus_per_task {s.cpus_per_task or 1}; a node has fewer CPUs"),
+        # what Slurm says when the partition as a whole could hold the tasks, but no one node can
+        ("node configuration", f"launcher.slurm.gpus_per_node (tasks per node) is {s.gpus_per_node}, "
+                               f"cpus_per_task {s.cpus_per_task or 1}{f', mem {s.mem}' if s.mem else ''}; "
+                               "no node of the partition has that much"),
         ("time limit", f"launcher.slurm.time is {s.time}; the partition allows less"),
         ("memory", f"launcher.slurm.mem is {s.mem}"),
     ]

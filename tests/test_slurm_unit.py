@@ -139,6 +139,10 @@ def test_sbatch_refusals_become_one_line_naming_the_key(tmp_path):
     assert line == ("sbatch rejected the job: invalid partition name specified "
                     "(launcher.slurm.partition is nope; `sinfo -s` lists the partitions)")
     assert "\n" not in rejection("sbatch: error: Invalid generic resource (gres) specification", runs)
+    runs, _ = runs_for(tmp_path, "launcher.slurm.gpus_per_node=8", "train.global_batch=64")
+    line = rejection("sbatch: error: Batch job submission failed: Requested node configuration is not available", runs)
+    assert line == ("sbatch rejected the job: requested node configuration is not available "
+                    "(launcher.slurm.gpus_per_node (tasks per node) is 8, cpus_per_task 1; no node of the partition has that much)")
 
 
 def mantra_without_slurm(*args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,75 @@
+"""tests/slurm/start-local-slurm.sh itself: idempotent when the cluster runs, `--stop` leaves no daemon,
+namespace or bridge behind, and starting again brings back the same 2-node partition (each node its
+own address and hostname)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_fixtures import require_local_slurm, start_local_slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def pids_from(pattern: str) -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in Path("/run").glob(pattern)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def node_daemons() -> dict[str, int]:
+    """Node name -> the pid of its slurmd."""
+    return {name.removeprefix("slurmd-").removesuffix(".pid"): pid for name, pid in pids_from("slurmd-*.pid").items()}
+
+
+def nodes() -> list[tuple[str, str, str]]:
+    """(name, address, state) of every node of the default partition."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %o %T"], capture_output=True, text=True).stdout
+    return sorted(tuple(line.split()) for line in out.splitlines())
+
+
+def test_stop_undoes_everything_and_a_start_brings_the_two_nodes_back():
+    require_local_slurm("2-node local Slurm", "--nodes", "2", not_root="cannot start slurmd in network namespaces")
+    t0 = time.time()
+    again = start_local_slurm("--nodes", "2")
+    assert again.returncode == 0 and "already running (2 nodes)" in again.stderr, again.stderr
+    assert time.time() - t0 < 5
+    assert nodes() == [("n1", "10.200.0.11", "idle"), ("n2", "10.200.0.12", "idle")]
+    daemons = pids_from("slurm*.pid")
+    assert sorted(daemons) == ["slurmctld.pid", "slurmd-n1.pid", "slurmd-n2.pid"], daemons
+
+    stopped = start_local_slurm("--stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not [name for name, pid in daemons.items() if alive(pid)] and not pids_from("slurm*.pid")
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mantra-n" not in netns, netns
+    assert subprocess.run(["ip", "link", "show", "mantra-br0"], capture_output=True).returncode != 0
+    assert subprocess.run(["scontrol", "ping"], capture_output=True).returncode != 0
+
+    started = start_local_slurm("--nodes", "2")
+    assert started.returncode == 0, started.stderr
+    assert nodes() == [("n1", "10.200.0.11", "idle"), ("n2", "10.200.0.12", "idle")]
+    addresses = {node: subprocess.run(["ip", "-n", f"mantra-{node}", "-4", "-o", "addr", "show", "eth0"],
+                                      capture_output=True, text=True).stdout.split()[3] for node in ("n1", "n2")}
+    assert addresses == {"n1": "10.200.0.11/24", "n2": "10.200.0.12/24"}, addresses
+    hostnames = {node: subprocess.run(["nsenter", "-t", str(pid), "-u", "hostname"], capture_output=True,
+                                      text=True).stdout.strip() for node, pid in node_daemons().items()}
+    assert hostnames == {"n1": "n1", "n2": "n2"}, hostnames
+
+
+def test_a_bad_node_count_is_refused_in_one_line():
+    proc = subprocess.run(["bash", "tests/slurm/start-local-slurm.sh", "--nodes", "0"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "start-local-slurm: --nodes: '0' is not a node count; use 1 to 32"]
