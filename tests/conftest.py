@@ -50,15 +50,20 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/torch_min.txt lists tests that do not exist: {', '.join(stale)}")
 
 
+def write_tiny(directory: Path, name: str = "tiny", steps: int = 6, extra: str = "") -> Path:
+    """Write the tiny manifest (2-layer llama on the shipped corpus) as DIRECTORY/NAME.yaml, its run in DIRECTORY/NAME."""
+    path = directory / f"{name}.yaml"
+    text = TINY.format(name=name, steps=steps, corpus=ROOT / "manifests/data/python-docs.txt", run_dir=directory / name)
+    path.write_text(text + extra)
+    return path
+
+
 @pytest.fixture
 def tiny_manifest(tmp_path):
     """Write a tiny manifest (2-layer llama on the shipped corpus) and return its path."""
 
     def make(name: str = "tiny", steps: int = 6, extra: str = "") -> Path:
-        path = tmp_path / f"{name}.yaml"
-        text = TINY.format(name=name, steps=steps, corpus=ROOT / "manifests/data/python-docs.txt", run_dir=tmp_path / name)
-        path.write_text(text + extra)
-        return path
+        return write_tiny(tmp_path, name, steps, extra)
 
     return make
 
@@ -110,6 +115,28 @@ def train_on_ranks(tmp_path: Path, name: str, nproc: int, settings: dict | None 
     proc = run_ranks(path, nproc, out)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return read_jsonl(tmp_path / name / "metrics.jsonl"), torch.load(out, weights_only=True)
+
+
+def train_layouts(tmp_path: Path, nproc: int, layouts: dict[str, dict], steps: int = 6) -> dict[str, tuple]:
+    """Train the tiny manifest with each of `layouts` ({name: settings merged in}) on `nproc` real ranks, one
+    after another in one launch (ranks on two cores are slow to start; tests/harness.py --each).
+
+    Returns {name: (metrics rows, {fqn: full fp32 tensor})}, each as `train_on_ranks` returns it.
+    """
+    import torch
+    import yaml
+
+    from harness import run_each
+
+    paths = []
+    for name, settings in layouts.items():
+        config = merge(tiny_config(name, tmp_path / name, steps), {"launcher": {"nproc": nproc}, **settings})
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = run_each(paths, nproc, tmp_path)
+    assert proc.returncode == 0, f"{list(layouts)} on {nproc} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return {name: (read_jsonl(tmp_path / name / "metrics.jsonl"), torch.load(tmp_path / f"{name}.pt", weights_only=True))
+            for name in layouts}
 
 
 def assert_same_training(reference, candidate, rel: float = 1e-5) -> None:

@@ -1,11 +1,17 @@
 """Run a manifest on N real ranks (torchrun, gloo) and bring back its metrics and final parameters.
 
     python -m torch.distributed.run --standalone --nproc-per-node=N tests/harness.py MANIFEST OUT.pt
+    python -m torch.distributed.run --standalone --nproc-per-node=N tests/harness.py --each OUT_DIR MANIFEST...
 
 Every rank trains through `trainer.loop.train`; at the end each parameter is
 gathered whole (DTensor shards, ZeRO shards and pipeline stages alike, on all
 ranks, since a collective on rank 0 alone hangs) and rank 0 saves
 {fqn: tensor} to OUT.pt. Parity tests compare that against one process.
+
+`--each` trains the manifests one after another in one process group (ranks on
+two cores are slow to start, so one launch serves many layouts of a world size;
+the loop's shutdown is skipped between them) and saves OUT_DIR/NAME.pt for each
+manifest NAME.yaml.
 """
 
 from __future__ import annotations
@@ -54,14 +60,9 @@ def merge_ranks(params: dict, out: Path) -> dict:
     return merged
 
 
-def main() -> None:
+def saver(out: Path):
+    """The loop's `on_finish`: every rank gathers the full parameters, rank 0 saves them to `out`."""
     import torch
-
-    from trainer.loop import train
-    from trainer.manifest import load_manifest
-
-    manifest, out = Path(sys.argv[1]), Path(sys.argv[2])
-    run, _ = load_manifest(manifest)
 
     def save(model, sync) -> None:
         gather = getattr(sync, "full_parameters", None)
@@ -70,7 +71,30 @@ def main() -> None:
         if int(os.environ.get("RANK", 0)) == 0:
             torch.save(params, out)
 
-    train(run, on_finish=save)
+    return save
+
+
+def main() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    import trainer.loop as loop
+    from trainer.manifest import load_manifest
+
+    if sys.argv[1] != "--each":
+        run, _ = load_manifest(Path(sys.argv[1]))
+        loop.train(run, on_finish=saver(Path(sys.argv[2])))
+        return
+    out_dir, manifests = Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]]
+    loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch
+    for manifest in manifests:
+        run, _ = load_manifest(manifest)
+        loop.train(run, on_finish=saver(out_dir / f"{manifest.stem}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()  # the meshes' gloo groups, now rather than during interpreter exit
 
 
 def run_ranks(manifest: Path, nproc: int, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -79,6 +103,17 @@ def run_ranks(manifest: Path, nproc: int, out: Path, timeout: int = 600) -> subp
            str(Path(__file__).resolve()), str(manifest), str(out)]
     if nproc == 1:
         cmd = [sys.executable, str(Path(__file__).resolve()), str(manifest), str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def run_each(manifests: list[Path], nproc: int, out_dir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Start `nproc` ranks that train `manifests` one after another (each's launcher.nproc must say `nproc`)."""
+    script = str(Path(__file__).resolve())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    cmd += ["--each", str(out_dir), *map(str, manifests)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 

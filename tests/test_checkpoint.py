@@ -192,26 +192,35 @@ def test_sigusr1_saves_at_the_next_step_and_asks_for_requeue(tmp_path):
     assert 5 <= status["step"] < 100000
 
 
+RESHARD = {"checkpoint": {"every": 10}, "train": {"steps": 30}}
+
+
+@pytest.fixture(scope="module")
+def zero2_checkpoint(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """One process trained straight for 30 steps (the losses every layout must repeat), and zero2 on 4 ranks
+    killed after its step-10 checkpoint (same 30-step manifest, so the same LR schedule): the checkpoint
+    every layout of test_checkpoint_reshards_to_another_layout loads. Only read by them, never written."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    straight = write(tmp, "straight", RESHARD)
+    assert mantra_run(straight, 1).returncode == 0
+    saved = write(tmp, "saved", merge(RESHARD, {"parallel": {"optimizer_sharding": "zero2"}}))
+    proc = start(saved, 4)
+    wait_for_step(tmp / "saved", 11, proc)
+    kill_group(proc)
+    assert (tmp / "saved/ckpt/latest").read_text().strip() == "step-00000010"
+    return tmp / "saved/ckpt/step-00000010", last_per_step(tmp / "straight")
+
+
 @pytest.mark.parametrize(
     "nproc, parallel",
     [(1, {}), (4, {"tp": 2}), (2, {"pp": 2, "microbatches": 4}), (4, {"tp": 2, "optimizer_sharding": "zero3"}),
      (4, {"pp": 2, "schedule": "zb-h1", "optimizer_sharding": "zero3"})],
     ids=["one-rank", "tp2xdp2", "pp2", "dp2-tp2-zero3", "pp2-dp2-zero3-zb-h1"],
 )
-def test_checkpoint_reshards_to_another_layout(tmp_path, nproc, parallel):
-    settings = {"checkpoint": {"every": 10}, "train": {"steps": 30}}
-    straight = write(tmp_path, "straight", settings)
-    assert mantra_run(straight, 1).returncode == 0
-    expected = last_per_step(tmp_path / "straight")
-
-    # zero2 on 4 ranks, killed after its step-10 checkpoint (same 30-step manifest, so the same LR schedule)
-    saved = write(tmp_path, "saved", merge(settings, {"parallel": {"optimizer_sharding": "zero2"}}))
-    proc = start(saved, 4)
-    wait_for_step(tmp_path / "saved", 11, proc)
-    kill_group(proc)
-    assert (tmp_path / "saved/ckpt/latest").read_text().strip() == "step-00000010"
-
-    target = write(tmp_path, "target", merge(settings, {"parallel": parallel, "checkpoint": {"resume_from": str(tmp_path / "saved/ckpt/step-00000010")}}))
+def test_checkpoint_reshards_to_another_layout(tmp_path, zero2_checkpoint, nproc, parallel):
+    """zero2 x4's step-10 checkpoint loads into each layout, which then repeats the straight run's steps 11-30."""
+    checkpoint, expected = zero2_checkpoint
+    target = write(tmp_path, "target", merge(RESHARD, {"parallel": parallel, "checkpoint": {"resume_from": str(checkpoint)}}))
     proc = mantra_run(target, nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = last_per_step(tmp_path / "target")

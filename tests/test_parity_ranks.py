@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import mantra, read_jsonl
+from conftest import mantra, read_jsonl, write_tiny
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -16,9 +16,14 @@ def losses(path, nproc: int) -> list[dict]:
     return read_jsonl(path.parent / name / "metrics.jsonl")
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory) -> list[dict]:
+    """One rank's curve, trained once for both world sizes."""
+    return losses(write_tiny(tmp_path_factory.mktemp("one"), "one", steps=8), 1)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_data_parallel_matches_one_rank(tiny_manifest, nproc):
-    one = losses(tiny_manifest("one", steps=8), 1)
+def test_data_parallel_matches_one_rank(one, tiny_manifest, nproc):
     many = losses(tiny_manifest(f"ranks{nproc}", steps=8), nproc)
     assert [r["step"] for r in many] == list(range(1, 9))
     for a, b in zip(one, many):

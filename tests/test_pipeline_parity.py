@@ -25,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import ROOT, assert_same_training, merge, read_jsonl, tiny_config, train_on_ranks  # noqa: E402
+from conftest import ROOT, assert_same_training, merge, read_jsonl, tiny_config, train_layouts, train_on_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -114,13 +114,20 @@ def launch(tmp: Path, nproc: int, layouts: dict[str, dict]) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_on_ranks(tmp_path_factory.mktemp("ref"), "single", 1, BASE, steps=STEPS)
+def one_rank(tmp_path_factory):
+    """The references, untied and tied, trained in one process."""
+    return train_layouts(tmp_path_factory.mktemp("ref"), 1, {"single": BASE, "tied": merge(BASE, {"model": TIED})},
+                         steps=STEPS)
 
 
 @pytest.fixture(scope="module")
-def tied_reference(tmp_path_factory):
-    return train_on_ranks(tmp_path_factory.mktemp("tied-ref"), "tied", 1, merge(BASE, {"model": TIED}), steps=STEPS)
+def reference(one_rank):
+    return one_rank["single"]
+
+
+@pytest.fixture(scope="module")
+def tied_reference(one_rank):
+    return one_rank["tied"]
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +225,8 @@ BALANCED = {
 def big_head(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("balanced")
     runs = {"single": train_on_ranks(tmp, "single", 1, BIG_HEAD, steps=STEPS)}
-    for name, (parallel, _) in BALANCED.items():
-        runs[name] = train_on_ranks(tmp, name, 2, merge(BIG_HEAD, {"parallel": parallel}), steps=STEPS)
+    runs |= train_layouts(tmp, 2, {name: merge(BIG_HEAD, {"parallel": parallel}) for name, (parallel, _) in BALANCED.items()},
+                          steps=STEPS)  # both splits in one launch
     return tmp, runs
 
 

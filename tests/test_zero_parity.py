@@ -4,13 +4,16 @@ fp32 on CPU (gloo), same global batch and seed, clipping active. SGD for exact p
 (AdamW amplifies round-off in near-zero gradients; DESIGN.md) and one AdamW case on losses.
 The tiny model is ~35k parameters: bucket_mb 0.01 (~2.6k elements) forces a dozen buckets.
 At dp 2 the default batch gives 2 microbatches per rank, at dp 4 one.
+
+Each world size is one launch that trains its layouts in turn (tests/harness.py --each); each layout is
+still its own test and fails on its own numbers.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import assert_same_training, train_on_ranks
+from conftest import assert_same_training, train_layouts
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -32,24 +35,46 @@ LAYOUTS = {
 }
 
 
+ADAMW_ZERO1 = {"parallel": {"optimizer_sharding": "zero1", **MANY_BUCKETS}}  # AdamW: the default optimizer
+
+
+def settings(name: str) -> dict:
+    parallel = LAYOUTS[name][1]
+    out = SGD | {"parallel": parallel}
+    if "microbatches" in parallel:  # same global batch (8), in 4 microbatches of 1 per rank
+        out |= {"train": {"micro_batch": 1}}
+    return out
+
+
+def of_size(nproc: int) -> dict[str, dict]:
+    return {name: settings(name) for name, (n, _) in LAYOUTS.items() if n == nproc}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_on_ranks(tmp_path_factory.mktemp("ref"), "single", 1, SGD, steps=STEPS)
+def one_rank(tmp_path_factory):
+    """The SGD reference and AdamW's, in one process."""
+    return train_layouts(tmp_path_factory.mktemp("ref"), 1, {"single": SGD, "adam1": {}}, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return train_layouts(tmp_path_factory.mktemp("x2"), 2, of_size(2) | {"adam-zero1": ADAMW_ZERO1}, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return train_layouts(tmp_path_factory.mktemp("x4"), 4, of_size(4), steps=STEPS)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(name, reference, tmp_path):
-    nproc, parallel = LAYOUTS[name]
-    settings = SGD | {"parallel": parallel}
-    if "microbatches" in parallel:  # same global batch (8), in 4 microbatches of 1 per rank
-        settings |= {"train": {"micro_batch": 1}}
-    assert_same_training(reference, train_on_ranks(tmp_path, name, nproc, settings, steps=STEPS))
+def test_layout_matches_one_process(name, one_rank, request):
+    trained = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[LAYOUTS[name][0]])
+    assert_same_training(one_rank["single"], trained[name])
 
 
-def test_adamw_zero1_losses_match(tmp_path):
+def test_adamw_zero1_losses_match(one_rank, two_ranks):
     """AdamW (weight decay on matrices only, warmup + cosine) on the owned slices: one process's curve."""
-    one = train_on_ranks(tmp_path, "adam1", 1, steps=STEPS)[0]
-    two = train_on_ranks(tmp_path, "adam-zero1", 2, {"parallel": {"optimizer_sharding": "zero1", **MANY_BUCKETS}}, steps=STEPS)[0]
+    one, two = one_rank["adam1"][0], two_ranks["adam-zero1"][0]
     assert [r["lr"] for r in two] == [r["lr"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
