@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from datetime import date
 from pathlib import Path
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.parallel.pipeline import Costs, build_schedule, simulate, simulate_steps  # noqa: E402
 from trainer.parallel.pipeline.actions import Kind  # noqa: E402
 from trainer.parallel.pipeline.executor import Executor  # noqa: E402
+from trainer.parallel.pipeline.validation import prefix, replays  # noqa: E402
 
 ORDER = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"]
 VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2}
@@ -88,15 +90,64 @@ def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int)
     }
 
 
+def run_overlapped(name: str, rank: int, pp: int, m: int, unit: float, steps: int, group) -> dict[str, object] | None:
+    """`steps` consecutive steps with post-validation's overlap: no barrier between them; each rank launches
+    the step's tiny state all-reduce in the background when its step ends (what the optimizer step would
+    reduce) and waits for it only at its validation point in the next step (validation.py). Measured:
+    the K-step makespan, from a common start to the last rank's end, against the simulator's."""
+    v = VIRTUAL.get(name, 1)
+    schedule = build_schedule(name, pp, m, v)
+    torch.manual_seed(0)
+    stages = {s: torch.nn.Linear(SHAPE[1], SHAPE[1]) for s in schedule.layout.stages_of(rank)}
+    chunk = unit / v
+    cost = {Kind.F: chunk, Kind.B: chunk, Kind.W: chunk, Kind.BW: 2 * chunk}
+    point = prefix(schedule.ranks[rank], schedule.layout, rank).point
+    executor = Executor(schedule.ranks[rank], stages, schedule.layout, rank, None, torch.device("cpu"), SHAPE,
+                        torch.float32, m, lambda out, _: out.pow(2).mean(), cost=cost,
+                        replay=replays(schedule.ranks, schedule.layout)[rank], point=point)
+    batch = [(torch.randn(SHAPE), torch.zeros(())) for _ in range(m)]
+    no_sync = lambda action: contextlib.nullcontext()  # noqa: E731
+    executor.run(batch, no_sync)  # warm the p2p connections
+    dist.barrier()
+    start, pending = time.perf_counter(), None
+
+    def validate() -> bool:
+        pending.wait()
+        return False
+
+    for _ in range(steps):
+        executor.run(batch, no_sync, validate=validate if pending is not None else None)
+        for q in (q for s in stages.values() for q in s.parameters()):
+            q.grad = None
+        pending = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    pending.wait()
+    end = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(end, op=dist.ReduceOp.MAX)
+    if rank:
+        return None
+    sim = simulate_steps(schedule.ranks, schedule.layout, m, Costs(unit, unit, unit), steps, overlap=True)
+    makespan = end.item()
+    return {"bench": "pipeline_bubble_steady", "schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v,
+            "unit_s": unit, "steps": steps, "post_validation": True, "measured_makespan_s": round(makespan, 5),
+            "simulated_makespan_s": round(sim.sim.makespan, 5), "ratio": round(makespan / sim.sim.makespan, 4),
+            "steady_bubble": round(1 - steps * m * 3 * unit / makespan, 4),
+            "simulated_steady_bubble": round(sim.steady_bubble, 4)}
+
+
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
+        state = dist.new_group(backend="gloo")  # the post-validation state's own communicator
         for name in args.schedules:
             line = run_schedule(name, rank, world, args.microbatches, args.unit, args.steps)
             if line is not None:
                 queue.put(line)
+            if args.steady:
+                line = run_overlapped(name, rank, world, args.microbatches, args.unit, args.steady, state)
+                if line is not None:
+                    queue.put(line)
     finally:
         dist.destroy_process_group()
 
@@ -108,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unit", type=float, default=0.05, help="seconds of one F, B or W on one rank")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--schedules", nargs="*", default=ORDER)
+    parser.add_argument("--steady", type=int, default=6, metavar="K",
+                        help="also run K consecutive steps with post-validation's overlap (0: not)")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -115,9 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(worker, args=(args.pp, f"file://{tmp}/rendezvous", args, queue), nprocs=args.pp,
                            join=True, start_method="spawn")
-    lines = [queue.get() for _ in args.schedules]
+    lines = [queue.get() for _ in range(len(args.schedules) * (2 if args.steady else 1))]
+    steady = [line for line in lines if line["bench"] == "pipeline_bubble_steady"]
+    lines = [line for line in lines if line["bench"] == "pipeline_bubble"]
     meta = {"date": date.today().isoformat(), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, gloo",
             "torch": torch.__version__}
+    steady = [line | meta for line in steady]
     lines = [line | meta for line in lines]
     by = {line["schedule"]: line for line in lines}
     if "1f1b" in by:
@@ -129,7 +185,12 @@ def main(argv: list[str] | None = None) -> None:
             if name in by:
                 summary[f"bubble_{name}"] = by[name]["measured_bubble"]
                 summary[f"{name}_vs_1f1b"] = round(by[name]["measured_bubble"] / base, 4) if base else None
+        for line in steady:
+            summary[f"steady_bubble_{line['schedule']}"] = line["steady_bubble"]
+        if steady:
+            summary["max_steady_ratio"] = max(line["ratio"] for line in steady)
         lines.append(summary)
+    lines = steady + lines
     text = "".join(json.dumps(line) + "\n" for line in lines)
     print(text, end="")
     if args.out:

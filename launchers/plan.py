@@ -61,23 +61,25 @@ def _layout_line(e: Estimate) -> str:
 
 def timeline_of(e: Estimate, steps: int):
     """The simulated pipeline to draw: the plan's one step, or `steps` consecutive ones as the runtime runs them
-    (a barrier between steps)."""
+    (overlapped under parallel.post_validation, else with a barrier between steps)."""
     if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
         return e.timing.sim
     from trainer.plan.schedule import simulate_many
 
-    return simulate_many(e.timing, steps).sim
+    return simulate_many(e.timing, steps, overlap=e.layout["post_validation"]).sim
 
 
 def steps_line(e: Estimate, steps: int) -> str | None:
-    """`steps` consecutive steps with the runtime's barrier against the zero-bubble paper's post-validation."""
+    """`steps` consecutive steps with a barrier between them against post-validation's overlap; which runs."""
     if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
         return None
     from trainer.plan.schedule import simulate_many
 
-    now, overlap = simulate_many(e.timing, steps), simulate_many(e.timing, steps, overlap=True)
-    return (f"{steps} steps: {duration(now.per_step / 1e3)} per step with the barrier between steps (what runs), busiest rank idle "
-            f"{now.steady_bubble:.1%}; with optimizer post-validation (the steps overlap; not in mantra's runtime yet) "
+    barrier, overlap = simulate_many(e.timing, steps), simulate_many(e.timing, steps, overlap=True)
+    on = e.layout["post_validation"]
+    return (f"{steps} steps: {duration(barrier.per_step / 1e3)} per step with a barrier between steps"
+            f"{'' if on else ' (this run)'}, busiest rank idle {barrier.steady_bubble:.1%}; with optimizer "
+            f"post-validation (the steps overlap{', this run' if on else '; parallel.post_validation: true'}) "
             f"{duration(overlap.per_step / 1e3)} per step, busiest rank idle {overlap.steady_bubble:.1%}")
 
 

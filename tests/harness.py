@@ -60,6 +60,28 @@ def merge_ranks(params: dict, out: Path) -> dict:
     return merged
 
 
+def poison_loss(seq_len: int, sample_hash: int) -> None:
+    """Every cross-entropy over a batch that holds the sample whose targets hash to `sample_hash` returns NaN:
+    a non-finite loss in exactly one microbatch of one step, whatever the layout (HARNESS_NAN_SAMPLE)."""
+    import torch.nn.functional as F
+
+    plain = F.cross_entropy
+
+    def cross_entropy(logits, targets, *args, **kwargs):
+        loss = plain(logits, targets, *args, **kwargs)
+        rows = targets.reshape(-1, seq_len)
+        if any(sample_key(row) == sample_hash for row in rows):
+            return loss * float("nan")
+        return loss
+
+    F.cross_entropy = cross_entropy
+
+
+def sample_key(targets) -> int:
+    """A fingerprint of one sample's targets (a [seq_len] row of token ids)."""
+    return int(targets.long().sum()) * 1_000_003 + int(targets[0]) * 101 + int(targets[-1])
+
+
 def saver(out: Path):
     """The loop's `on_finish`: every rank gathers the full parameters, rank 0 saves them to `out`."""
     import torch
@@ -84,6 +106,8 @@ def main() -> None:
 
     if sys.argv[1] != "--each":
         run, _ = load_manifest(Path(sys.argv[1]))
+        if os.environ.get("HARNESS_NAN_SAMPLE"):
+            poison_loss(run.manifest.model.seq_len, int(os.environ["HARNESS_NAN_SAMPLE"]))
         loop.train(run, on_finish=saver(Path(sys.argv[2])))
         return
     out_dir, manifests = Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from trainer.banner import print_banner
 from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
-from trainer.evaluate import build_validation
+from trainer.evaluate import NO_VALIDATION, build_validation
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Precision
@@ -34,10 +34,11 @@ from trainer.optim import build_lr_schedule
 from trainer.parallel.context.attention import uses_zigzag
 from trainer.parallel.context.split import ContextShard
 from trainer.parallel.data import GradSync, build_grad_sync
-from trainer.parallel.mesh import build_mesh
+from trainer.parallel.mesh import build_mesh, new_group_along
+from trainer.parallel.pipeline.post_validation import PostValidation
 from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
-from trainer.preempt import PreemptionFlag, StopRequested
+from trainer.preempt import PreemptionFlag, StopRequested, stop_for
 from trainer.run_status import RunStatus
 from trainer.watchdog import HangWatchdog
 
@@ -100,6 +101,34 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
         total = loss if total is None else total + loss
     sync.finish_backward()
     return total / len(microbatches)
+
+
+def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, device, autocast, run: Resolved,
+                     cp: ContextShard | None, preempt: PreemptionFlag, guard: NonFiniteGuard) -> tuple:
+    """One step that ends in a global synchronisation: forward and backward, the global norm and clip,
+    every rank's signal and non-finite verdict, the optimizer step. (step, loss, grad_norm, lr, stop)."""
+    m = run.manifest
+    if pipeline is not None:  # the schedule's actions over the pipeline ranks
+        loss = pipeline.step(microbatches, autocast, cp)  # cp: each stage gets this cp rank's slice
+    else:
+        loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp)
+    grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
+    lr = sync.optimizer.param_groups[0]["lr"]
+    loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
+    # one tiny CPU all-reduce: any rank's signal (stop after this step) and non-finite verdict
+    stop, nonfinite = preempt.agreed(nonfinite=not finite(loss_f, norm_f))
+    if guard.admit(step, nonfinite, loss_f, norm_f):  # every rank decides alike
+        sync.step()
+    else:
+        sync.skip_step()
+    return step, loss, grad_norm, lr, stop
+
+
+def build_post_validation(run: Resolved, sync: GradSync, pipeline, mesh, guard: NonFiniteGuard) -> PostValidation:
+    """parallel.post_validation: the state each step reduces in the background, over communicators of its own
+    (every rank creates every group, in the same order)."""
+    return PostValidation(sync, run.manifest.optimizer.grad_clip or float("inf"), new_group_along(mesh, "pp"),
+                          dist.new_group(backend="gloo"), guard.admit)
 
 
 def context_shard(run: Resolved, mesh) -> ContextShard | None:
@@ -172,39 +201,41 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                          config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
                          resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step) as sinks:
+            # parallel.post_validation: each step's update is applied at once and checked during the next
+            post = build_post_validation(run, sync, pipeline, mesh, guard) if pipeline and pipeline.post_validation else None
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
                 microbatches = loader.microbatches(step - 1)
-                if pipeline is not None:  # the schedule's actions over the pipeline ranks
-                    loss = pipeline.step(microbatches, autocast, cp)  # cp: each stage gets this cp rank's slice
+                every, last = m.checkpoint.every, step == m.train.steps
+                saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
+                if post is not None:  # the previous step is validated at this one's validation point
+                    loss = pipeline.step(microbatches, autocast, cp, post.validate if post.pending else None)
+                    post.launch(step, loss, preempt.code())
+                    verdicts = post.take_finished()
+                    if saved or last or validation.due(step) or any(v.stop_code for v in verdicts):
+                        post.flush()  # a save, an evaluation, the end or a stop needs this step's final state
+                        verdicts += post.take_finished()
+                    finished = [(v.step, v.loss, v.grad_norm, v.lr, stop_for(v.stop_code), v.rollbacks) for v in verdicts]
                 else:
-                    loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp)
-                grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
-                lr = sync.optimizer.param_groups[0]["lr"]
-                loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
-                # one tiny CPU all-reduce: any rank's signal (stop after this step) and non-finite verdict
-                stop, nonfinite = preempt.agreed(nonfinite=not finite(loss_f, norm_f))
-                if guard.admit(step, nonfinite, loss_f, norm_f):  # every rank decides alike
-                    sync.step()
-                else:
-                    sync.skip_step()
+                    finished = [(*synchronous_step(step, model, sync, pipeline, microbatches, device, autocast, run, cp,
+                                                   preempt, guard), None)]
                 lr_schedule.step()
                 meter.stop()
                 sinks.advance(step)  # the console's live line, on a terminal
-                if validation.due(step):
-                    watchdog.beat(step, "validation")
-                val = validation.at(step)  # val_loss, val_ppl: None at steps not evaluated
-                if step % m.logging.every == 0 or step == m.train.steps or val["val_loss"] is not None:
-                    sinks.log(meter.metrics(step, loss, grad_norm, lr) | {"skipped_steps": guard.skipped,
-                                                                           "peak_tensor_bytes": memory.report(step)} | val)
-
-                every, last = m.checkpoint.every, step == m.train.steps
-                saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
+                for done, loss, grad_norm, lr, stop, rollbacks in finished:
+                    if done == step and validation.due(step):
+                        watchdog.beat(step, "validation")
+                    val = validation.at(step) if done == step else dict(NO_VALIDATION)  # val_loss, val_ppl: None unless evaluated
+                    if done % m.logging.every == 0 or done == m.train.steps or val["val_loss"] is not None:
+                        sinks.log(meter.metrics(done, loss, grad_norm, lr) | {
+                            "skipped_steps": guard.skipped, "rollbacks": rollbacks,
+                            "peak_tensor_bytes": memory.report(done)} | val)
                 if saved:
                     watchdog.beat(step, "checkpoint save")
                     ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)
                 ckpt.poll()
+                stop = next((s for *_, s, _ in finished if s), None)
                 if step < m.train.steps and stop:  # SIGTERM/USR1: requeue; SIGINT: stop
                     watchdog.beat(step, "checkpoint save")
                     if not saved:
@@ -247,6 +278,7 @@ class Meter:
         self.peak = peak_flops(device.type, name, m.logging.peak_tflops)
         self.timer = StepTimer(device)
         self.window_time, self.window_steps = 0.0, 0
+        self.last_window = (0.0, 0)
 
     def start(self) -> None:
         self.timer.start()
@@ -258,14 +290,17 @@ class Meter:
     def metrics(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
         if self.dp_group is not None:  # the mean loss over the global batch (collective: every rank logs)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
-        tokens_per_s = self.run.tokens_per_step * self.window_steps / self.window_time
+        if self.window_steps:  # two steps reported at one boundary (post-validation): the second shares the window
+            self.last_window = (self.window_time, self.window_steps)
+        window_time, window_steps = self.last_window
+        tokens_per_s = self.run.tokens_per_step * window_steps / window_time
         out = {
             "step": step,
             "loss": loss.item(),
             "grad_norm": grad_norm.item(),
             "lr": lr,
             "tokens_per_s": tokens_per_s,
-            "step_time_s": self.window_time / self.window_steps,
+            "step_time_s": window_time / window_steps,
             "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.run.world_size),
             "peak_mem_bytes": peak_memory_bytes(self.device),
         }

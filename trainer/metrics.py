@@ -19,9 +19,10 @@ from typing import Any
 # busy_s / idle_s: seconds per step the worst pipeline rank computed / waited; bubble: its idle fraction
 # of the pipelined forward-backward (null without pipeline parallelism); skipped_steps: updates dropped
 # so far for a non-finite loss or gradient norm (train.on_nonfinite: skip); val_loss / val_ppl: the mean token
-# cross-entropy over data.valid's first train.eval_batches global batches and its exp (null at steps not evaluated)
+# cross-entropy over data.valid's first train.eval_batches global batches and its exp (null at steps not evaluated);
+# rollbacks: optimizer steps redone so far under parallel.post_validation (clipped or non-finite; null without it)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps", "peak_tensor_bytes", "val_loss", "val_ppl")
+               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "val_loss", "val_ppl")
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.
@@ -284,7 +285,7 @@ class Sinks:
         if set(metrics) != set(METRIC_KEYS):
             missing, unknown = sorted(set(METRIC_KEYS) - set(metrics)), sorted(set(metrics) - set(METRIC_KEYS))
             raise ValueError(f"metrics must have exactly {METRIC_KEYS}; missing {missing}, unknown {unknown}")
-        cast = {k: int if k in ("step", "peak_mem_bytes", "skipped_steps", "peak_tensor_bytes") else float for k in METRIC_KEYS}  # no tensors in sinks
+        cast = {k: int if k in ("step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes") else float for k in METRIC_KEYS}  # no tensors in sinks
         clean = {k: None if metrics[k] is None else cast[k](metrics[k]) for k in METRIC_KEYS}
         for sink in self.sinks:
             try:

@@ -108,6 +108,11 @@ class PreemptionFlag:
             return None
         return Interrupted if self.signum == signal.SIGINT else RequeueRequested
 
+    def code(self) -> int:
+        """This rank's own request as the number `agreed` reduces (0: none)."""
+        own = self.requested()
+        return own.rank_code if own else 0
+
     def agreed(self, nonfinite: bool = False) -> tuple[type[StopRequested] | None, bool]:
         """What any rank's signal asked for (None: keep training), and whether any rank found this step's
         loss or gradient norm non-finite (trainer/nonfinite.py): the same on every rank (collective:
@@ -125,3 +130,8 @@ class PreemptionFlag:
                 self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         return _BY_CODE.get(int(flags[0])), bool(flags[1])
+
+
+def stop_for(code: int) -> type[StopRequested] | None:
+    """The stop a reduced signal code asks for (None: keep training)."""
+    return _BY_CODE.get(code)

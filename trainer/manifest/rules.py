@@ -174,6 +174,12 @@ def schedule_shape(m: Manifest) -> Iterator[Finding]:
 @rule
 def schedule_memory(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
+    if p.post_validation and p.pp == 1:
+        yield Finding("parallel.post_validation", "post-validation overlaps pipeline steps and needs pp > 1; "
+                      "remove post_validation or set pp")
+    elif p.post_validation and p.optimizer_sharding == Sharding.zero3:
+        yield Finding("parallel.post_validation", "not supported with zero3 (its shards stay gathered through a "
+                      "pipeline step, rollback would need them too); use zero1 or zero2, or post_validation: false")
     if p.max_inflight is not None and p.schedule != Schedule.zb_auto:
         yield Finding("parallel.max_inflight", f"max_inflight shapes schedule zb-auto only, not {p.schedule.value}; "
                       "set schedule: zb-auto or remove max_inflight")

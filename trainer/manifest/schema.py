@@ -214,6 +214,13 @@ class ParallelSection(Section):
         None, description="zb-auto only: measured seconds of one microbatch per virtual stage, instead of the FLOP "
         "model (`mantra plan --profile RUN_DIR` prints them)"
     )
+    post_validation: bool | None = Field(
+        None,
+        description="pp > 1: step each stage's optimizer as soon as its backward is done and check the step's "
+        "gradient norm and finiteness during the next step's warm-up, rolling it back and redoing it when "
+        "clipping or a non-finite value asks for it (the zero-bubble paper's optimizer post-validation), so "
+        "consecutive steps overlap; null (default): on for zb-h2 and zb-v, off otherwise and under zero3",
+    )
     stage_layers: tuple[Annotated[int, Field(ge=0, le=MAX_LAYERS)], ...] | Literal["balanced"] | None = Field(
         None,
         description="layers of each virtual stage in model order: null (default) uniform, "
@@ -254,6 +261,15 @@ class ParallelSection(Section):
             if n > MAX_LAYERS:
                 raise ValueError(f"entry {i} is {n}; a stage holds at most {MAX_LAYERS} layers (model.layers' bound)")
         return handler(tuple(value))
+
+    @property
+    def post_validated(self) -> bool:
+        """Whether the pipeline overlaps steps (post_validation, or its default for the schedule)."""
+        if self.pp == 1:
+            return False
+        if self.post_validation is not None:
+            return self.post_validation
+        return self.schedule in (Schedule.zb_h2, Schedule.zb_v) and self.optimizer_sharding != Sharding.zero3
 
 
 class TrainSection(Section):

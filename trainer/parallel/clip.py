@@ -30,7 +30,9 @@ def _shard_key(g: DTensor) -> tuple:
 
 
 @torch.no_grad()
-def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+def grad_sq(params) -> torch.Tensor:
+    """This rank's share of the squared global norm: complete over tp and fsdp shards (all-reduced within
+    their groups), not yet summed over `across` groups."""
     grads = [p.grad for p in params if p.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
@@ -47,9 +49,28 @@ def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.
         for dim in dims:
             dist.all_reduce(sq, group=mesh.get_group(dim))
         total += sq
+    return total
+
+
+@torch.no_grad()
+def global_grad_norm(params, across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+    total = grad_sq(params)
     for group in across:  # disjoint parameter sets (pipeline stages): add their sums
         dist.all_reduce(total, group=group)
     return total.sqrt()
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are multiplied by: 1 (exactly) unless the norm is over `max_norm`."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def scale_grads_(params, coef: torch.Tensor) -> None:
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(coef.to(g.device))
 
 
 @torch.no_grad()
@@ -58,8 +79,5 @@ def clip_grad_norm_(params, max_norm: float, across: Sequence[dist.ProcessGroup]
     `uncounted` parameters are scaled but left out of the norm (a second copy of a tied weight)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm([p for p in params if not any(p is q for q in uncounted)], across)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g.mul_(coef.to(g.device))
+    scale_grads_(params, clip_coef(norm, max_norm))
     return norm

@@ -86,11 +86,15 @@ class LocalSync:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         return clip_grad_norm_(self.params, max_norm)  # DTensor shards (tensor parallel, FSDP)
 
-    def step(self) -> None:
+    def step(self, zero: bool = True) -> None:
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if zero:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self, model: torch.nn.Module) -> dict:

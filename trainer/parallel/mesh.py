@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer import compat
@@ -43,3 +44,16 @@ def build_mesh(layout: Layout, device: torch.device) -> ParallelMesh | None:
         return ParallelMesh(root=root, dp=dp, dp_cp=dp, dp_shard_cp=root["dp_shard"])
     return ParallelMesh(root=root, dp=dp, dp_cp=compat.flatten_mesh(root["dp_replicate", "dp_shard", "cp"], "dp_cp"),
                         dp_shard_cp=compat.flatten_mesh(root["dp_shard", "cp"], "dp_shard_cp"))
+
+
+def new_group_along(mesh: ParallelMesh, dim: str) -> dist.ProcessGroup:
+    """A fresh process group of this rank's ranks along mesh dimension `dim` (the same ranks as
+    mesh[dim].get_group(), on a communicator of its own). Collective over the world: every rank creates
+    every group along `dim`, in the same order."""
+    grid, axis = mesh.root.mesh, mesh.root.mesh_dim_names.index(dim)
+    mine = None
+    for row in grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist():
+        group = dist.new_group(row)
+        if dist.get_rank() in row:
+            mine = group
+    return mine

@@ -38,6 +38,7 @@ from trainer import compat
 from trainer.optim import build_optimizer
 from trainer.parallel import zero_state
 from trainer.parallel.buckets import Bucket, DPGroups, GradReducer
+from trainer.parallel.clip import clip_coef
 from trainer.parallel.memory import tensor_bytes
 
 
@@ -153,6 +154,16 @@ class BucketSync:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The exact global norm: squares over owned elements, summed over the shard group; tp-sharded
         parameters' sums added over tp, tp-replicated ones counted once; stages added over pp."""
+        total = self.stage_norm_sq()
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        norm = total.sqrt().float()
+        self.scale_grads(clip_coef(norm, max_norm))
+        return norm
+
+    @torch.no_grad()
+    def stage_norm_sq(self) -> torch.Tensor:
+        """This pipeline stage's squared gradient norm (float64), complete over the dp shards and tp."""
         sums = []
         # the last stage's copy of a tied weight: the first stage's counts (tied.py)
         uncounted = set(self.tied) if self.tie is not None and not self.tie.counted else set()
@@ -167,26 +178,37 @@ class BucketSync:
         if self.tp_group is not None:
             tp_part = sq[0].clone()
             dist.all_reduce(tp_part, group=self.tp_group)
-            total = total + tp_part
-        else:
-            total = total + sq[0]
-        if self.pp_group is not None:
-            dist.all_reduce(total, group=self.pp_group)
-        norm = total.sqrt().float()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            return total + tp_part
+        return total + sq[0]
+
+    def norm_of(self, sq: torch.Tensor) -> torch.Tensor:
+        """The norm from a squared norm summed over the pipeline, as clip_grad_norm_ forms it."""
+        return sq.sqrt().float()
+
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
         grads = [s.grad for s in self.slices.values()]
         if grads:
             compat.foreach_mul_(grads, coef)
-        return norm
 
-    def step(self) -> None:
+    def rollback_tensors(self) -> list[torch.Tensor]:
+        """What an optimizer step changes besides the optimizer's state: the whole local parameters."""
+        return list(self.reducer.locals)
+
+    def zero_grads(self) -> None:
+        self.reducer.zero_grads()
+
+    def step(self, zero: bool = True) -> None:
+        """The optimizer step on the owned slices, then whole parameters again; `zero=False` keeps the
+        gradients (post-validation may redo the step with clipped ones)."""
         for s in self.slices.values():  # rebind: someone may have zeroed .grad to None
             s.param.grad = s.grad
         self.optimizer.step()
         self._breakdown = self._measure()
         if self.groups.shard is not None:
             self._gather_params()
-        self.reducer.zero_grads()
+        if zero:
+            self.reducer.zero_grads()
 
     def skip_step(self) -> None:
         """Parameters are whole and unchanged between steps: dropping the gradients is all a skip needs."""

@@ -258,6 +258,7 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     coeffs = {mode: act.coefficients(cfg, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "tp": p.tp, "sequence_parallel": sp,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
+              "post_validation": p.post_validated,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
               "global_batch": run.batch.global_batch, "micro_batch": run.batch.micro_batch,
               "microbatches": run.batch.microbatches}

@@ -61,8 +61,8 @@ def simulate(name: str, pp: int, microbatches: int, virtual_stages: int, costs: 
 def simulate_many(timing, steps: int, *, overlap: bool = False) -> StepsResult:
     """`steps` consecutive steps of the plan's simulated step (`timing`: a plan Timing, in milliseconds):
     between steps the run's exposed data-parallel communication and optimizer step, as the runtime pays them
-    today (overlap=False), or post-validation's overlap (overlap=True: the state travels back one p2p hop
-    per stage; the runtime does not do this yet)."""
+    without post-validation (overlap=False), or with its overlap (overlap=True: the reduced state takes one
+    p2p hop per stage)."""
     name, pp, microbatches, v, costs, options = timing.sim_args
     hop = costs.comm if isinstance(costs.comm, int | float) else max(costs.comm, default=0.0)
     sync = hop if overlap else 1e3 * timing.dp_s

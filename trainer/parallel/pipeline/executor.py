@@ -40,6 +40,7 @@ import torch.distributed as dist
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.backward import Pending, backward_input, backward_weight, full_backward
 from trainer.parallel.pipeline.stages import StageLayout
+from trainer.parallel.pipeline.validation import Replay
 
 # action -> context manager around a W or BW: the runtime's gradient-sync policy (runtime.py)
 GradContext = Callable[[Action], contextlib.AbstractContextManager]
@@ -75,7 +76,8 @@ class Executor:
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 cost: Mapping[Kind, float] | None = None) -> None:
+                 cost: Mapping[Kind, float] | None = None, replay: Replay | None = None,
+                 point: int | None = None) -> None:
         self.actions, self.stages, self.layout = list(actions), dict(stages), layout
         self.pp_rank, self.group, self.device = pp_rank, group, device
         self.act_shape, self.act_dtype, self.microbatches = tuple(act_shape), act_dtype, microbatches
@@ -85,17 +87,29 @@ class Executor:
         # the last W or BW of each stage in the list: where its gradients of the step are complete
         self.final_backward = frozenset(self.actions[max(i for i in bwd if self.actions[i].stage == s)] for s in self.stages)
         self.current: Action | None = None  # the compute running now (tests read it from hooks)
+        # post-validation (validation.py): where this rank needs the previous step's verdict, and how a
+        # rolled-back step starts over
+        self.point, self.replay = point, replay
+        self.replayed = 0  # steps that started over, since this executor was built
 
     # -- one step -------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], grad_context: GradContext,
-            autocast=None, positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, StepTiming]:
+            autocast=None, positions: torch.Tensor | None = None,
+            validate: Callable[[], bool] | None = None) -> tuple[torch.Tensor | None, StepTiming]:
         """Execute the list once; returns (sum of loss/microbatches on the last stage's rank else None, timing).
-        `positions`: the tokens' RoPE positions under context parallel, handed to every stage's forward."""
+        `positions`: the tokens' RoPE positions under context parallel, handed to every stage's forward.
+        `validate` (post-validation): called once at this rank's validation point; True starts the step over
+        (validation.py), after it has put the previous step right."""
         if len(microbatches) != self.microbatches:
             raise ValueError(f"the schedule has {self.microbatches} microbatches, got {len(microbatches)}")
+        if validate is not None and (self.point is None or self.replay is None):
+            raise ValueError("validate needs the executor's validation point and replay (validation.py)")
         self._batch = microbatches
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
+        self._carried: dict[tuple[str, int, int], tuple[torch.Tensor, dist.Work | None]] = {}
+        self._taken: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._validating = validate is not None
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sent: list[tuple[dist.Work, torch.Tensor]] = []
         self._loss: torch.Tensor | None = None
@@ -105,6 +119,14 @@ class Executor:
         start = time.perf_counter()
         i = 0
         while i < len(self.actions):
+            if validate is not None and i == self.point:
+                again, validate, self._validating = validate(), None, False
+                if again:  # the previous step was rolled back: what ran so far used the wrong parameters
+                    self._start_over()
+                self._taken = {}
+                if again:
+                    i = 0
+                    continue
             action = self.actions[i]
             if not action.is_compute:
                 j = i
@@ -123,6 +145,8 @@ class Executor:
             clock.end()
             self.current = None
             i += 1
+        if validate is not None:
+            raise RuntimeError(f"pipeline rank {self.pp_rank}: the list ended before its validation point {self.point}")
         for work, _ in self._sent:
             work.wait()
         timing.span = time.perf_counter() - start
@@ -132,6 +156,30 @@ class Executor:
         if leftover:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: step ended with unconsumed state {leftover[:4]}")
         return self._loss, timing
+
+    def _start_over(self) -> None:
+        """Drop what this step computed and received so far, so its list can run again (validation.py)."""
+        replay = self.replay
+        for stage, mb in replay.drop:  # old activations: wait for them (the sender already sent them), drop
+            if ("F", stage + 1, mb) in self._inbox:
+                self._take(("F", stage + 1, mb))
+        for stage, mb in replay.keep:  # sent after the sender's own validation: right values, sent once
+            key = ("F", stage + 1, mb)
+            self._carried[key] = self._inbox.pop(key) if key in self._inbox else (self._taken[key], None)
+        for stage, mb in replay.extra:  # old activations in flight to us: receive and drop
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            work = dist.batch_isend_irecv([self._op(dist.irecv, buf, stage, self._tag("F", stage, mb))])
+            for w in work:
+                w.wait()
+        for key in [k for k in self._inbox if k[0] == "F" and k[1] - 1 in self.stages]:  # handed over locally (the V)
+            del self._inbox[key]
+        if self._inbox:
+            raise RuntimeError(f"pipeline rank {self.pp_rank}: received {sorted(self._inbox)[:4]} before the "
+                               "validation point that the replay plan does not know")
+        self._slots.clear()
+        self._outbox.clear()  # produced, not yet sent: the replay produces it again
+        self._loss = None
+        self.replayed += 1
 
     # -- communication --------------------------------------------------------------------------
     def _tag(self, direction: str, stage: int, mb: int) -> int:
@@ -150,9 +198,14 @@ class Executor:
             else:
                 direction = "F" if a.kind == Kind.RECV_F else "B"
                 peer = a.stage - 1 if direction == "F" else a.stage + 1
+                if (direction, a.stage, a.microbatch) in self._carried:  # posted before a replay: still ours
+                    self._inbox[(direction, a.stage, a.microbatch)] = self._carried.pop((direction, a.stage, a.microbatch))
+                    continue
                 buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 ops.append(self._op(dist.irecv, buf, peer, self._tag(direction, peer, a.microbatch)))
                 recvs.append((direction, a.stage, a.microbatch))
+        if not ops:
+            return
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # coalesced (NCCL): one handle for the batch, wait on it wholesale
             for w in works:
@@ -172,6 +225,8 @@ class Executor:
         tensor, work = self._inbox.pop(key)
         if work is not None:
             work.wait()
+        if self._validating:  # before the validation point: a replay may need it again
+            self._taken[key] = tensor.detach()
         return tensor
 
     def _wait_inputs(self, a: Action) -> None:

@@ -47,13 +47,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.buckets import local_tensor
-from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.clip import clip_grad_norm_, grad_sq, scale_grads_
 from trainer.parallel.data import LocalSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
 from trainer.parallel.pipeline.profile import StageProfile
 from trainer.parallel.pipeline.schedules import build_schedule
 from trainer.parallel.pipeline.split import activation_shape, build_stages, cross_entropy, layout_for
+from trainer.parallel.pipeline.validation import prefix, replays
 from trainer.parallel.tensor import loss_context
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,21 @@ class PipelineLocalSync(LocalSync):
         uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
         return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,), uncounted=uncounted)
 
+    # -- post-validation (post_validation.py): the same norm, in two halves ---------------------------
+    def stage_norm_sq(self) -> torch.Tensor:
+        """This stage's squared gradient norm, complete over tp; the pipeline sum comes later."""
+        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
+        return grad_sq([p for p in self.params if not any(p is q for q in uncounted)])
+
+    def norm_of(self, sq: torch.Tensor) -> torch.Tensor:
+        return sq.sqrt()
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        scale_grads_(self.params, coef)
+
+    def rollback_tensors(self) -> list[torch.Tensor]:
+        return list(self.params)
+
 
 class Pipeline:
     """This rank's stages, its action list and the gradient-sync policy (module docstring)."""
@@ -95,16 +111,20 @@ class Pipeline:
         self.stages = model.__dict__.get("pipeline_stages") or build_stages(model, run, self.pp_rank)
         # a cp rank's stages carry its seq_len/cp tokens (the loop slices them, see `step`)
         shape = activation_shape(run.batch.micro_batch, m.model.seq_len // p.cp, m.model.dim, p.tp, p.sequence_parallel)
+        actions = self.schedule.ranks[self.pp_rank]
         self.executor = Executor(
-            self.schedule.ranks[self.pp_rank], self.stages, layout, self.pp_rank, self.group, device,
+            actions, self.stages, layout, self.pp_rank, self.group, device,
             shape, torch.float32, run.batch.microbatches, cross_entropy, lambda: loss_context(p.tp), cost,
+            replay=replays(self.schedule.ranks, layout)[self.pp_rank], point=prefix(actions, layout, self.pp_rank).point,
         )
         self.sync = sync
         self.loss_rank = layout.rank_of(layout.num_stages - 1)
         dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
         self.fsdp = hasattr(sync, "pipeline_step")  # zero3: FSDP reduces once, after the step (fsdp.py)
+        self.post_validation = p.post_validated  # steps overlap; the loop checks each during the next
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
+        self._last_timing: dict[str, float | None] = {"busy_s": None, "idle_s": None, "bubble": None}
         # logging.profile_pipeline: per-stage F/B/W times, written at each report (profile.py)
         self.profile = StageProfile(self.pp_rank) if m.logging.profile_pipeline else None
         self.run_dir = run.run_dir
@@ -118,14 +138,17 @@ class Pipeline:
             return _after(lambda: self.sync.reduce_stage(action.stage)) if final else contextlib.nullcontext()
         return self.sync.backward_context(last=final, stage=action.stage)
 
-    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None, cp=None) -> torch.Tensor:
+    def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], autocast=None, cp=None,
+             validate=None) -> torch.Tensor | None:
         """Forward and backward of every microbatch through the pipeline; the mean loss, on every pp rank.
-        `cp` (a context.split.ContextShard): this cp rank's tokens, targets and RoPE positions of each microbatch."""
+        `cp` (a context.split.ContextShard): this cp rank's tokens, targets and RoPE positions of each microbatch.
+        Under post-validation (`validate`: the previous step's check, called at this rank's validation point;
+        post_validation.py) no broadcast: the last stage's loss, None elsewhere (the state reduction sums it)."""
         positions = None
         if cp is not None:
             microbatches, positions = cp.slice_each(microbatches)
         with self.sync.pipeline_step() if self.fsdp else contextlib.nullcontext():
-            loss, timing = self.executor.run(microbatches, self._grad_context, autocast, positions)
+            loss, timing = self.executor.run(microbatches, self._grad_context, autocast, positions, validate)
         self.sync.finish_backward()
         self.last = timing
         if self.profile is not None:
@@ -133,6 +156,8 @@ class Pipeline:
         self._window[0] += timing.busy
         self._window[1] += timing.span
         self._window[2] += 1
+        if self.post_validation:
+            return loss
         out = torch.zeros((), dtype=torch.float32, device=self.device) if loss is None else loss.float()
         dist.broadcast(out, group=self.group, group_src=self.loss_rank)
         return out
@@ -145,8 +170,8 @@ class Pipeline:
         self._window = [0.0, 0.0, 0.0]
         if self.profile is not None and self._writes_profile:
             self.profile.write(self.run_dir)
-        if not steps:
-            return {"busy_s": None, "idle_s": None, "bubble": None}
+        if not steps:  # two steps reported at one boundary (post-validation): the second repeats the window
+            return dict(self._last_timing)
         log.info("pipeline rank %d: busy %.4f s, idle %.4f s per step", self.pp_rank, busy / steps, (span - busy) / steps)
         # every rank's (busy, span) by an all-reduce of a zero table with its own row filled: gloo's
         # all-gather can abort the process at exit (see zero.py), all-reduce does not
@@ -155,7 +180,8 @@ class Pipeline:
         dist.all_reduce(table)
         rows = [(max(s - b, 0.0), b, s) for b, s in table.tolist()]
         idle, busy_w, span_w = max(rows, key=lambda r: r[0] / r[2] if r[2] else 0.0)
-        return {"busy_s": busy_w, "idle_s": idle, "bubble": idle / span_w if span_w else None}
+        self._last_timing = {"busy_s": busy_w, "idle_s": idle, "bubble": idle / span_w if span_w else None}
+        return dict(self._last_timing)
 
 
 @contextlib.contextmanager

@@ -24,10 +24,9 @@ evenly over the rank's chunks), or given per virtual stage; BW costs B + W.
 Bubble rate = 1 - sum(busy) / (pp * makespan): the idle share of one step,
 ramp included. `span_bubble_rate` measures it against the longest single
 rank's own first-start-to-last-end window instead: what remains if steps
-overlapped back to back (the zero-bubble paper's optimizer post-validation,
-which mantra's runtime does NOT implement yet, so one step always pays the
-ramp). steps.py simulates several consecutive steps, with the barrier mantra
-runs today or with post-validation's overlap.
+overlapped back to back. steps.py simulates several consecutive steps, with a
+barrier between them or with the overlap of the zero-bubble paper's optimizer
+post-validation (parallel.post_validation; pipeline/post_validation.py).
 """
 
 from __future__ import annotations

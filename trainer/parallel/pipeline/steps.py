@@ -7,10 +7,11 @@
 Each rank runs its list once per step, the microbatches of step k numbered k·m .. k·m + m-1, so the
 data dependencies of the one-step simulator hold within each step. Between steps:
 
-- ``overlap=False``: what mantra's runtime does today. A step ends in a global synchronisation
+- ``overlap=False``: the synchronous loop (parallel.post_validation off). A step ends in a global synchronisation
   (grad-norm all-reduce, non-finite check, optimizer step), so every rank's first action of step
   k+1 waits until every rank has finished step k, plus `sync` for that all-reduce.
-- ``overlap=True``: the zero-bubble paper's optimizer post-validation (Qi et al., ICLR 2024). A stage
+- ``overlap=True``: the zero-bubble paper's optimizer post-validation (Qi et al., ICLR 2024;
+  parallel.post_validation, pipeline/post_validation.py and validation.py). A stage
   steps its optimizer as soon as its own last backward is done, and the next step's warm-up forwards
   run at once on the updated parameters. The global state (grad norm, non-finite) must reach a rank
   only before its first action of step k+1 that is not a forward of its first chunk (the validation
@@ -18,8 +19,8 @@ data dependencies of the one-step simulator hold within each step. Between steps
   plus `sync` per pipeline hop, as the reduced state travels back stage by stage. A rollback (grad norm
   over the clip, a non-finite value) is not simulated: it is the rare case.
 
-Whether the runtime overlaps steps is a separate matter (it does not yet): this predicts what it
-would buy, and draws consecutive steps for `mantra plan --timeline --steps N`.
+`mantra plan --timeline --steps N` draws consecutive steps as the run's setting runs them and prints
+both; bench/pipeline_bubble.py --steady K measures the runtime's overlap against this.
 """
 
 from __future__ import annotations
