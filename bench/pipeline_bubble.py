@@ -46,7 +46,8 @@ VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2}
 SHAPE = (2, 16)  # activation per microbatch: tiny, the cost is the injected sleep
 
 
-def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int) -> dict[str, object] | None:
+def setup(name: str, rank: int, pp: int, m: int, unit: float):
+    """(schedule, v, this rank's one-linear stages, its executor with injected costs, a batch)."""
     v = VIRTUAL.get(name, 1)
     schedule = build_schedule(name, pp, m, v)
     torch.manual_seed(0)
@@ -54,8 +55,14 @@ def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int)
     chunk = unit / v
     cost = {Kind.F: chunk, Kind.B: chunk, Kind.W: chunk, Kind.BW: 2 * chunk}
     executor = Executor(schedule.ranks[rank], stages, schedule.layout, rank, None, torch.device("cpu"), SHAPE,
-                        torch.float32, m, lambda out, _: out.pow(2).mean(), cost=cost)
-    batch = [(torch.randn(SHAPE), torch.zeros(())) for _ in range(m)]
+                        torch.float32, m, lambda out, _: out.pow(2).mean(), cost=cost,
+                        replay=replays(schedule.ranks, schedule.layout)[rank],
+                        point=prefix(schedule.ranks[rank], schedule.layout, rank).point)
+    return schedule, v, stages, executor, [(torch.randn(SHAPE), torch.zeros(())) for _ in range(m)]
+
+
+def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int) -> dict[str, object] | None:
+    schedule, v, stages, executor, batch = setup(name, rank, pp, m, unit)
     makespans, bubbles, idle_worst = [], [], []
     for step in range(steps + 1):  # the first step warms up the p2p connections
         dist.barrier()
@@ -95,17 +102,7 @@ def run_overlapped(name: str, rank: int, pp: int, m: int, unit: float, steps: in
     the step's tiny state all-reduce in the background when its step ends (what the optimizer step would
     reduce) and waits for it only at its validation point in the next step (validation.py). Measured:
     the K-step makespan, from a common start to the last rank's end, against the simulator's."""
-    v = VIRTUAL.get(name, 1)
-    schedule = build_schedule(name, pp, m, v)
-    torch.manual_seed(0)
-    stages = {s: torch.nn.Linear(SHAPE[1], SHAPE[1]) for s in schedule.layout.stages_of(rank)}
-    chunk = unit / v
-    cost = {Kind.F: chunk, Kind.B: chunk, Kind.W: chunk, Kind.BW: 2 * chunk}
-    point = prefix(schedule.ranks[rank], schedule.layout, rank).point
-    executor = Executor(schedule.ranks[rank], stages, schedule.layout, rank, None, torch.device("cpu"), SHAPE,
-                        torch.float32, m, lambda out, _: out.pow(2).mean(), cost=cost,
-                        replay=replays(schedule.ranks, schedule.layout)[rank], point=point)
-    batch = [(torch.randn(SHAPE), torch.zeros(())) for _ in range(m)]
+    schedule, v, stages, executor, batch = setup(name, rank, pp, m, unit)
     no_sync = lambda action: contextlib.nullcontext()  # noqa: E731
     executor.run(batch, no_sync)  # warm the p2p connections
     dist.barrier()
