@@ -7,8 +7,7 @@ and redone when clipping or a non-finite value asks for it. The result must be t
   every number must be identical), with rollbacks counted.
 - A NaN in one microbatch's loss under on_nonfinite: skip: pp2 zb-v equals one process (the step skipped,
   the run goes on), within the parity tolerance.
-The schedule parity tests (test_pipeline_parity.py) run zb-h2 and zb-v at pp 2, 3, 4 and with dp under
-post-validation, their default, with clipping active; test_pipeline_validation.py checks the replay itself.
+test_pipeline_validation.py checks the replay itself.
 """
 
 from __future__ import annotations
@@ -93,7 +92,8 @@ def test_a_nan_step_is_skipped_as_in_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESS_NAN_SAMPLE", str(sample_key(loader.microbatches(2)[1][1][0])))
     skip = {"train": {"on_nonfinite": "skip"}, "model": {"layers": 4}, "logging": {"every": 1}}
     ref = train_on_ranks(tmp_path, "ref", 1, skip, steps=6)
-    pp = train_on_ranks(tmp_path, "pp", 2, merge(merge(PP2, skip), {"parallel": {"schedule": "zb-v", "virtual_stages": 2}}),
+    pp = train_on_ranks(tmp_path, "pp", 2, merge(merge(PP2, skip), {"parallel": {"schedule": "zb-v", "virtual_stages": 2,
+                                                                                 "post_validation": True}}),
                         steps=6)
     assert [r["skipped_steps"] for r in ref[0]] == [0, 0, 1, 1, 1, 1]  # the poison hits step 3 only
     assert [r["skipped_steps"] for r in pp[0]] == [0, 0, 1, 1, 1, 1]

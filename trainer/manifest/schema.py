@@ -219,7 +219,7 @@ class ParallelSection(Section):
         description="pp > 1: step each stage's optimizer as soon as its backward is done and check the step's "
         "gradient norm and finiteness during the next step's warm-up, rolling it back and redoing it when "
         "clipping or a non-finite value asks for it (the zero-bubble paper's optimizer post-validation), so "
-        "consecutive steps overlap; null (default): on for zb-h2 and zb-v, off otherwise and under zero3",
+        "consecutive steps overlap (best with zb-h2 and zb-v); default off",
     )
     stage_layers: tuple[Annotated[int, Field(ge=0, le=MAX_LAYERS)], ...] | Literal["balanced"] | None = Field(
         None,
@@ -267,9 +267,7 @@ class ParallelSection(Section):
         """Whether the pipeline overlaps steps (post_validation, or its default for the schedule)."""
         if self.pp == 1:
             return False
-        if self.post_validation is not None:
-            return self.post_validation
-        return self.schedule in (Schedule.zb_h2, Schedule.zb_v) and self.optimizer_sharding != Sharding.zero3
+        return bool(self.post_validation)  # off unless asked for: `mantra plan` does not count its snapshot yet
 
 
 class TrainSection(Section):
