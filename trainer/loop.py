@@ -124,7 +124,7 @@ def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, d
     return step, loss, grad_norm, lr, stop
 
 
-def build_post_validation(run: Resolved, sync: GradSync, pipeline, mesh, guard: NonFiniteGuard) -> PostValidation:
+def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard) -> PostValidation:
     """parallel.post_validation: the state each step reduces in the background, over communicators of its own
     (every rank creates every group, in the same order)."""
     return PostValidation(sync, run.manifest.optimizer.grad_clip or float("inf"), new_group_along(mesh, "pp"),
@@ -202,7 +202,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                          config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
                          resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step) as sinks:
             # parallel.post_validation: each step's update is applied at once and checked during the next
-            post = build_post_validation(run, sync, pipeline, mesh, guard) if pipeline and pipeline.post_validation else None
+            post = build_post_validation(run, sync, mesh, guard) if pipeline and pipeline.post_validation else None
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
