@@ -77,6 +77,12 @@ def poison_loss(seq_len: int, sample_hash: int) -> None:
     F.cross_entropy = cross_entropy
 
 
+def poison(run) -> None:
+    """HARNESS_NAN_SAMPLE set: the loss of every batch holding that sample is NaN (poison_loss)."""
+    if os.environ.get("HARNESS_NAN_SAMPLE"):
+        poison_loss(run.manifest.model.seq_len, int(os.environ["HARNESS_NAN_SAMPLE"]))
+
+
 def sample_key(targets) -> int:
     """A fingerprint of one sample's targets (a [seq_len] row of token ids)."""
     return int(targets.long().sum()) * 1_000_003 + int(targets[0]) * 101 + int(targets[-1])
@@ -106,14 +112,15 @@ def main() -> None:
 
     if sys.argv[1] != "--each":
         run, _ = load_manifest(Path(sys.argv[1]))
-        if os.environ.get("HARNESS_NAN_SAMPLE"):
-            poison_loss(run.manifest.model.seq_len, int(os.environ["HARNESS_NAN_SAMPLE"]))
+        poison(run)
         loop.train(run, on_finish=saver(Path(sys.argv[2])))
         return
     out_dir, manifests = Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]]
     loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch
-    for manifest in manifests:
+    for i, manifest in enumerate(manifests):
         run, _ = load_manifest(manifest)
+        if i == 0:
+            poison(run)  # (the manifests of one launch share a seq_len)
         loop.train(run, on_finish=saver(out_dir / f"{manifest.stem}.pt"))
     if dist.is_initialized():
         dist.barrier()

@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_manifest(folder: Path, name: str, ranks: int, model: dict, parallel: dict | None = None,
-                   train: dict | None = None) -> Path:
-    """A synthetic-data Llama run of 3 steps on `ranks` CPU ranks; `train` overrides the batch (8 x 2 by default)."""
+                   train: dict | None = None, optimizer: dict | None = None) -> Path:
+    """A synthetic-data Llama run of 3 steps on `ranks` CPU ranks; `train` overrides the batch (8 x 2 by default),
+    `optimizer` the optimizer section."""
     import yaml
 
     data = {"name": name, "model": {"kind": "llama"} | model, "parallel": dict(parallel or {}),
             "train": {"global_batch": 8, "micro_batch": 2, "steps": 3, "seed": 3} | dict(train or {}),
-            "data": {"source": "synthetic"},
+            "data": {"source": "synthetic"}, **({"optimizer": optimizer} if optimizer else {}),
             "logging": {"every": 3, "dir": str(folder / "runs" / name), "sinks": ["jsonl"]},
             "checkpoint": {"final": False}, "launcher": {"nproc": ranks}}
     path = folder / f"{name}.yaml"

@@ -118,13 +118,12 @@ ZB_V_8B = ["--set", "launcher.slurm.nodes=4", "--set", "parallel.dp_shard=8", "-
 def test_steps_draws_consecutive_steps_and_what_post_validation_would_hide(tmp_path):
     """`mantra plan --timeline --steps 3` (#14): three consecutive steps as the run takes them, and both the
     barrier's and post-validation's time per step."""
-    text = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "3", "--timeline", str(tmp_path / "t.svg"),
-                  "--set", "parallel.post_validation=true")
+    text = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "3", "--timeline", str(tmp_path / "t.svg"))
     assert text.returncode == 0, text.stderr
-    # with parallel.post_validation the steps overlap; the picture and the line say so
+    # with parallel.post_validation (zb-v's default) the steps overlap; the picture and the line say so
     assert "zb-v ×3 steps (post-validation overlap)" in text.stdout and "3 steps:" in text.stdout
     assert "zb-v ×3 steps (post-validation overlap)" in (tmp_path / "t.svg").read_text()
-    off = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "2")  # off by default
+    off = mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "2", "--set", "parallel.post_validation=false")
     assert "zb-v ×2 steps (barrier)" in off.stdout and "between steps (this run)" in off.stdout
     one = json.loads(mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--json").stdout)
     out = json.loads(mantra("plan", "manifests/llama3-8b.yaml", *ZB_V_8B, "--steps", "3", "--json").stdout)

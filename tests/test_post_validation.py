@@ -3,10 +3,11 @@ overlap, each step's update is applied at once and checked during the next step'
 and redone when clipping or a non-finite value asks for it. The result must be the synchronous loop's.
 
 - The rollback restores AdamW's parameters, moments and step count bit for bit (in one process).
-- pp2 zb-h2 with AdamW and clipping active: post-validation on equals off exactly (the same layout, so
-  every number must be identical), with rollbacks counted.
-- A NaN in one microbatch's loss under on_nonfinite: skip: pp2 zb-v equals one process (the step skipped,
-  the run goes on), within the parity tolerance.
+- One run per layout with both reasons to roll back: AdamW with a clip low enough that most steps are
+  clipped (each one rolled back and redone), and a NaN in one microbatch's loss at step 3 under
+  on_nonfinite: skip (rolled back, skipped, the run goes on). zb-h2 and zb-v at pp2 and pp4, and pp2 x dp2
+  zero2, each equal one process within 1e-5 over 6 steps, with `rollbacks` exactly the clipped steps plus
+  the NaN one; at pp2 zb-h2, post-validation on equals off exactly (the same layout: every number identical).
 test_pipeline_validation.py checks the replay itself.
 """
 
@@ -15,11 +16,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_training, merge, tiny_config, train_on_ranks
+from conftest import assert_same_training, tiny_config, train_layouts
 from trainer.parallel.rollback import OptimizerSnapshot
 
-PP2 = {"parallel": {"pp": 2, "microbatches": 4}, "train": {"micro_batch": 2}, "model": {"layers": 4},
-       "logging": {"every": 1}}
+STEPS = 6
+EPS = 1e-6  # adamw normalises each gradient element: at eps 1e-8 one near 1e-8 moves lr either way with the dp reduction's rounding
+CLIP = 1.3  # grad norms run 1.1 to 1.6: step 1 is not clipped, the later ones are
+# AdamW, clipped on the steps after the first, one NaN microbatch skipped; 8 layers: zb-v at pp4 has 8 stages
+ROLLBACKS = {"model": {"layers": 8}, "optimizer": {"grad_clip": CLIP, "weight_decay": 0.1, "eps": EPS},
+             "train": {"on_nonfinite": "skip"}, "logging": {"every": 1}}
+ZB_V = {"schedule": "zb-v", "virtual_stages": 2}
+LAYOUTS = {
+    2: {"pp2-zb-h2": {"pp": 2, "schedule": "zb-h2"}, "pp2-zb-v": {"pp": 2} | ZB_V},
+    4: {"pp4-zb-h2": {"pp": 4, "schedule": "zb-h2"}, "pp4-zb-v": {"pp": 4} | ZB_V,
+        "pp2-dp2-zero2-zb-v": {"pp": 2, "optimizer_sharding": "zero2", "bucket_mb": 0.01} | ZB_V},
+}
+NAN_STEP = 3
 
 
 def test_a_rollback_restores_adamw_bit_for_bit():
@@ -62,41 +74,59 @@ def test_a_rollback_restores_adamw_bit_for_bit():
     assert opt.param_groups[0]["lr"] == 5e-2
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_post_validation_equals_the_synchronous_loop_exactly(tmp_path):
-    """Same layout, post-validation on and off: every loss, grad norm and parameter identical. AdamW, and a
-    clip low enough that most steps are clipped: those steps are rolled back and redone."""
-    adamw = merge(PP2, {"parallel": {"schedule": "zb-h2"}, "optimizer": {"grad_clip": 0.5, "weight_decay": 0.1}})
-    on = train_on_ranks(tmp_path, "pv-on", 2, merge(adamw, {"parallel": {"post_validation": True}}), steps=6)
-    off = train_on_ranks(tmp_path, "pv-off", 2, merge(adamw, {"parallel": {"post_validation": False}}), steps=6)
-    assert [(r["loss"], r["grad_norm"]) for r in on[0]] == [(r["loss"], r["grad_norm"]) for r in off[0]]
-    assert on[1].keys() == off[1].keys() and all(torch.equal(on[1][k], off[1][k]) for k in on[1])
-    clipped = sum(r["grad_norm"] > 0.5 for r in on[0])
-    assert 0 < clipped and on[0][-1]["rollbacks"] == clipped  # one redo per clipped step, none otherwise
-    assert all(r["rollbacks"] is None for r in off[0])
+def _with(parallel: dict) -> dict:
+    return ROLLBACKS | {"parallel": parallel}
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_a_nan_step_is_skipped_as_in_one_process(tmp_path, monkeypatch):
-    """One microbatch's loss is NaN at step 3 (the harness poisons one sample); on_nonfinite: skip drops that
-    update on one process and under post-validation at pp2 zb-v alike."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple]:
+    """One process, and every layout (post-validation on; pp2 zb-h2 also off), one launch per world size, with
+    the sample of step 3's second microbatch poisoned (tests/harness.py HARNESS_NAN_SAMPLE)."""
     from harness import sample_key
     from trainer.data import build_loader
     from trainer.manifest.schema import DataSection
 
-    cfg = tiny_config("ref", tmp_path / "ref", steps=6)
-    data = DataSection(**cfg["data"])
+    tmp = tmp_path_factory.mktemp("pv")
+    data = DataSection(**tiny_config("ref", tmp, STEPS)["data"])
     loader = build_loader(data, seq_len=32, vocab=256, seed=3, global_batch=8, micro_batch=2, microbatches=4)
-    monkeypatch.setenv("HARNESS_NAN_SAMPLE", str(sample_key(loader.microbatches(2)[1][1][0])))
-    skip = {"train": {"on_nonfinite": "skip"}, "model": {"layers": 4}, "logging": {"every": 1}}
-    ref = train_on_ranks(tmp_path, "ref", 1, skip, steps=6)
-    pp = train_on_ranks(tmp_path, "pp", 2, merge(merge(PP2, skip), {"parallel": {"schedule": "zb-v", "virtual_stages": 2,
-                                                                                 "post_validation": True}}),
-                        steps=6)
+    poisoned = sample_key(loader.microbatches(NAN_STEP - 1)[1][1][0])
+    out = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HARNESS_NAN_SAMPLE", str(poisoned))
+        out |= train_layouts(tmp_path_factory.mktemp("one"), 1, {"single": ROLLBACKS}, steps=STEPS)
+        for world, layouts in LAYOUTS.items():
+            named = {name: _with(p | {"post_validation": True}) for name, p in layouts.items()}
+            if world == 2:
+                named["pp2-zb-h2-off"] = _with(layouts["pp2-zb-h2"] | {"post_validation": False})
+            out |= train_layouts(tmp_path_factory.mktemp(f"x{world}"), world, named, steps=STEPS)
+    return out
+
+
+def _finite(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["step"] != NAN_STEP]  # NaN != NaN
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [name for layouts in LAYOUTS.values() for name in layouts])
+def test_post_validation_matches_one_process_through_rollbacks(name, runs):
+    """Clipped steps rolled back and redone with the clipped gradients, the NaN step rolled back and skipped:
+    loss, grad_norm and final parameters as in one process, and `rollbacks` counts exactly those steps."""
+    ref, got = runs["single"], runs[name]
     assert [r["skipped_steps"] for r in ref[0]] == [0, 0, 1, 1, 1, 1]  # the poison hits step 3 only
-    assert [r["skipped_steps"] for r in pp[0]] == [0, 0, 1, 1, 1, 1]
-    assert pp[0][2]["rollbacks"] >= 1  # the NaN update was applied, then taken back
-    rows = [r for r in ref[0] if r["step"] != 3], [r for r in pp[0] if r["step"] != 3]  # NaN != NaN
-    assert_same_training((rows[0], ref[1]), (rows[1], pp[1]))
+    assert [r["skipped_steps"] for r in got[0]] == [0, 0, 1, 1, 1, 1]
+    clipped = [r["step"] for r in _finite(ref[0]) if r["grad_norm"] > CLIP]
+    assert 0 < len(clipped) < STEPS - 1, clipped  # some steps clipped, not all
+    expected = [sum(s <= r["step"] for s in clipped) + (r["step"] >= NAN_STEP) for r in ref[0]]
+    assert [r["rollbacks"] for r in got[0]] == expected
+    assert_same_training((_finite(ref[0]), ref[1]), (_finite(got[0]), got[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_post_validation_equals_the_synchronous_loop_exactly(runs):
+    """The same layout, post-validation on and off: every loss, grad norm and parameter identical."""
+    on, off = runs["pp2-zb-h2"], runs["pp2-zb-h2-off"]
+    assert [(repr(r["loss"]), repr(r["grad_norm"])) for r in on[0]] == [(repr(r["loss"]), repr(r["grad_norm"])) for r in off[0]]
+    assert on[1].keys() == off[1].keys() and all(torch.equal(on[1][k], off[1][k]) for k in on[1])
+    assert all(r["rollbacks"] is None for r in off[0]) and on[0][-1]["rollbacks"] > 1

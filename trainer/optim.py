@@ -40,7 +40,7 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: Optimizer
         return torch.optim.SGD(groups, lr=cfg.lr)
     # fused kernels where the device has them (CUDA); foreach on the CPU
     fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8, fused=fused, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused, foreach=None if fused else True)
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: OptimizerSection, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

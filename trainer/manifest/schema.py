@@ -219,7 +219,8 @@ class ParallelSection(Section):
         description="pp > 1: step each stage's optimizer as soon as its backward is done and check the step's "
         "gradient norm and finiteness during the next step's warm-up, rolling it back and redoing it when "
         "clipping or a non-finite value asks for it (the zero-bubble paper's optimizer post-validation), so "
-        "consecutive steps overlap (best with zb-h2 and zb-v); default off",
+        "consecutive steps overlap; default on for zb-h2 and zb-v (except with zero3, which it does not support), "
+        "off otherwise",
     )
     stage_layers: tuple[Annotated[int, Field(ge=0, le=MAX_LAYERS)], ...] | Literal["balanced"] | None = Field(
         None,
@@ -267,7 +268,9 @@ class ParallelSection(Section):
         """Whether the pipeline overlaps steps (post_validation, or its default for the schedule)."""
         if self.pp == 1:
             return False
-        return bool(self.post_validation)  # off unless asked for: `mantra plan` does not count its snapshot yet
+        if self.post_validation is not None:
+            return self.post_validation
+        return self.schedule in (Schedule.zb_h2, Schedule.zb_v) and self.optimizer_sharding != Sharding.zero3
 
 
 class TrainSection(Section):
@@ -304,6 +307,7 @@ class OptimizerSection(Section):
     name: OptimizerName = Field(OptimizerName.adamw)
     lr: PositiveFloat = Field(3e-4, description="peak learning rate")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    eps: PositiveFloat = Field(1e-8, le=1.0, description="adamw: the epsilon added to the root of the second moment")
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="global grad-norm clip; 0 disables")
     warmup: NonNegativeInt = Field(0, description="linear warmup steps", le=MAX_STEPS)

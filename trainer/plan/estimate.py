@@ -162,6 +162,27 @@ def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
     return tuple(out)
 
 
+def _validation_held(run: Resolved) -> tuple[float, ...]:
+    """Per pipeline rank under post-validation, the microbatches of activations held at its validation point
+    (pipeline/validation.py: the first action that is not a forward of its first chunk), in units of the rank's
+    blocks. Read off the compute list, an upper bound of the runtime's point (a comm batch may come first)."""
+    from trainer.parallel.pipeline import Kind
+    from trainer.plan.schedule import lists
+
+    p = run.manifest.parallel
+    if p.pp == 1 or not p.post_validated:
+        return (0.0,) * p.pp
+    out = []
+    for r, actions in enumerate(lists(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages, schedule_options(run))):
+        n = 0
+        for a in actions:  # stage r is rank r's first chunk in every layout (stages.StageLayout.stages_of)
+            if a.kind != Kind.F or a.stage != r:
+                break
+            n += 1
+        out.append(n / p.virtual_stages)
+    return tuple(out)
+
+
 def _inflight(moments: tuple[memory.Moment, ...]) -> float:
     return max((m.held for m in moments), default=0.0)
 
@@ -211,7 +232,8 @@ def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, me
         moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=local, pp=p.pp,
         grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
-        cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask)
+        cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
+        post_validated=p.post_validated, validation_held=_validation_held(run)[r])
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)

@@ -118,6 +118,8 @@ class Setup:
     cp: int = 1  # context parallel (cfg.seq_len is then a cp rank's share of the sequence)
     cp_kind: str = "ulysses"
     document_mask: bool = False  # data.document_mask: a documents tensor per microbatch and one additive mask
+    post_validated: bool = False  # parallel.post_validation: a snapshot and the kept gradients into the next step
+    validation_held: float = 0.0  # microbatches of activations (rank-block units) held at the validation point
 
     @property
     def mode(self) -> str:
@@ -355,15 +357,38 @@ def points(s: Setup) -> list[Point]:
         out.append(Point("gradient reduce-scatter", params=st["params"] + st["whole_params"], optimizer=st["optimizer"],
                          grads=st["full_grads"] + _tp_embedding_grad(s) + st["grad_step"], activations=0.0, logits=0.0,
                          buffers=other))
+    if s.post_validated:
+        out.append(_rollback_redo(s, st, other))
     if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
-        n = min(st["buckets"], MAX_IN_FLIGHT + 1)
-        # per bucket in flight: the whole bucket, this rank's updated slices packed (a clone), and on gloo
-        # the collective's own receive buffer of the whole bucket (NCCL gathers in place)
-        gathered = st["bucket"] * (2 if s.gloo else 1) + st["bucket_shard"]
         out.append(Point("parameter all-gather", grads=st["grad_persistent"], activations=0.0, logits=0.0,
-                         buffers=other + n * gathered, **base))
+                         buffers=other + _all_gather_buffers(s, st), **base))
         out.append(_first_reduce_scatter(s, st, base, other))
     return out
+
+
+def _all_gather_buffers(s: Setup, st: dict[str, float]) -> float:
+    """zero1/zero2 after the optimizer step: per bucket in flight, the whole bucket, this rank's updated slices
+    packed (a clone), and on gloo the collective's own receive buffer of the whole bucket (NCCL gathers in place)."""
+    if s.mode not in ("zero1", "zero2") or s.dp_shard == 1:
+        return 0.0
+    n = min(st["buckets"], MAX_IN_FLIGHT + 1)
+    return n * (st["bucket"] * (2 if s.gloo else 1) + st["bucket_shard"])
+
+
+def _rollback_redo(s: Setup, st: dict[str, float], other: float) -> Point:
+    """parallel.post_validation (pipeline/post_validation.py, rollback.py): from a step's speculative update to
+    its validation during the next step's warm-up, the rank keeps a snapshot (a copy of its local parameters
+    and optimizer state) and the step's gradients; the worst moment is a redo at the validation point, an
+    optimizer step (zero1/2: then its parameter all-gather) with the snapshot alive and the warm-up forwards'
+    activations held. Counted whether or not a redo happens (a plan must fit the step that clips)."""
+    cfg, p = s.cfg, s.precision
+    sbh = cfg.seq_len * s.micro_batch * cfg.dim
+    forwards = s.validation_held * s.chunks  # first-chunk forwards before the point, each 1/chunks of the blocks
+    outputs = forwards * p.r * sbh / (s.tp if s.sp else 1)  # each one's output, kept for its backward
+    acts = s.layers * s.validation_held * act.block_bytes(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp) + outputs
+    return Point("post-validation redo", params=2 * st["params"], optimizer=2 * st["optimizer"],
+                 grads=st["grad_step"], activations=acts, logits=0.0,
+                 buffers=other + max(st["opt_temp"], _all_gather_buffers(s, st)))
 
 
 def _first_reduce_scatter(s: Setup, st: dict[str, float], base: dict, other: float) -> Point:
