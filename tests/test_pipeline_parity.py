@@ -306,6 +306,7 @@ def main(out: Path, manifests: list[Path]) -> None:
 
     import trainer.loop as loop
     from harness import full_parameters, merge_ranks
+    from trainer.parallel.fsdp import FSDPSync
     from trainer.manifest import load_manifest
 
     loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch
@@ -323,20 +324,21 @@ def main(out: Path, manifests: list[Path]) -> None:
             if rank == 0:
                 torch.save(params, out / f"{name}.pt")
             if getattr(sync, "hook_calls", None) is not None:
-                stage_of = {id(q): s for s, m in model.pipeline_stages.items() for q in m.parameters()}
-                holders = {n: sum(any(q is p for q in m.parameters()) for m in model.pipeline_stages.values())
+                stages = running["executor"].stages  # this rank's stage modules, as the pipeline runs them
+                stage_of = {id(q): s for s, m in stages.items() for q in m.parameters()}
+                holders = {n: sum(any(q is p for q in m.parameters()) for m in stages.values())
                            for n, p in model.named_parameters()}
                 probe = {"rank": rank, "hook_calls": sync.hook_calls, "buckets": len(sync.reducer.buckets),
                          "stages_of": holders, "bucket_owners": sync.reducer.owners,
                          "launches": list(launches), "bucket_stages": [
                              [stage_of[id(sync.reducer.params[i])] for i in b.params] for b in sync.reducer.buckets]}
                 (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
-            if hasattr(sync, "pipeline_step"):  # zero3: FSDP's collectives, and its units holding parameters
+            if isinstance(sync, FSDPSync):  # zero3: FSDP's collectives, and its units holding parameters
                 from torch.distributed.fsdp import FSDPModule, fully_shard
 
                 units = sum(1 for m in model.modules() if isinstance(m, FSDPModule)
                             for _ in fully_shard.state(m)._fsdp_param_groups)
-                units += sum(1 for s in model.pipeline_stages.values() for _ in fully_shard.state(s)._fsdp_param_groups)
+                units += sum(1 for s in running["executor"].stages.values() for _ in fully_shard.state(s)._fsdp_param_groups)
                 probe = {"rank": rank, "units": units, "all_gathers": running["all_gathers"], "launches": list(launches)}
                 (out / f"{name}.probe{rank}.json").write_text(json.dumps(probe))
 

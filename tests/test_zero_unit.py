@@ -102,7 +102,7 @@ def _run(mode: str, world: int, tmp: str, **parallel):
     return resolve(Manifest.model_validate(config), "<test>")
 
 
-def _sync(mode: str, world: int, tmp: str, bucket_bytes: int, model=None, **parallel):
+def _sync(mode: str, world: int, tmp: str, bucket_bytes: int, model=None, stages=None, **parallel):
     from trainer.loop import build_model
     from trainer.parallel.mesh import build_mesh
     from trainer.parallel.zero import BucketSync
@@ -110,7 +110,7 @@ def _sync(mode: str, world: int, tmp: str, bucket_bytes: int, model=None, **para
     run = _run(mode, world, tmp, **parallel)
     mesh = build_mesh(run.layout, torch.device("cpu"))
     model = model if model is not None else build_model(run, mesh, torch.device("cpu"))
-    return model, BucketSync(model, run, mesh, torch.device("cpu"), bucket_bytes=bucket_bytes)
+    return model, BucketSync(model, run, mesh, torch.device("cpu"), bucket_bytes=bucket_bytes, stages=stages)
 
 
 def _tokens(rank: int, step: int) -> torch.Tensor:
@@ -220,9 +220,9 @@ def _misuse(rank: int, world: int, tmp: str) -> None:
 
     # pipeline stages (a rank's chunks): contexts scoped to one stage's parameters, buckets never shared
     model = _TwoLayers()
-    object.__setattr__(model, "pipeline_stages", {0: model.a, 1: model.b})
-    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model)
-    stage_of = {id(q): s for s, m in model.pipeline_stages.items() for q in m.parameters()}
+    stages = {0: model.a, 1: model.b}
+    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model, stages=stages)
+    stage_of = {id(q): s for s, m in stages.items() for q in m.parameters()}
     for bucket in sync.reducer.buckets:
         assert len({stage_of[id(sync.reducer.params[i])] for i in bucket.params}) == 1
     assert len(sync.reducer.buckets) == 2  # one stage each, though 4096 bytes would hold both
@@ -230,7 +230,7 @@ def _misuse(rank: int, world: int, tmp: str) -> None:
         with sync.backward_context(last=True, stage=1):
             model(x).backward()  # a's gradients too
     sync.reducer.remove_hooks()  # a fresh reducer: that backward was cut short
-    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model)
+    model, sync = _sync("zero2", world, tmp, bucket_bytes=4096, model=model, stages=stages)
     for last in (False, True):  # W of stage 1, then of stage 0, twice: each its own context
         loss = model(x)
         with sync.backward_context(last=last, stage=1):
@@ -247,8 +247,8 @@ def _misuse(rank: int, world: int, tmp: str) -> None:
     # under zero1 it waits for the later stage's last context, and must not hold back the buckets after it
     sync.reducer.remove_hooks()
     model = _TwoLayers()
-    object.__setattr__(model, "pipeline_stages", {0: model, 1: model.b})  # b in both stages, a in stage 0
-    model, sync = _sync("zero1", world, tmp, bucket_bytes=64, model=model)
+    stages = {0: model, 1: model.b}  # b in both stages, a in stage 0
+    model, sync = _sync("zero1", world, tmp, bucket_bytes=64, model=model, stages=stages)
     assert sync.reducer.owners[0] == 2  # b's bucket first (reverse registration order), fed by both stages
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     loss = model(x)

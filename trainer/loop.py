@@ -35,6 +35,7 @@ from trainer.parallel.context.attention import uses_zigzag
 from trainer.parallel.context.split import ContextShard
 from trainer.parallel.data import GradSync, build_grad_sync
 from trainer.parallel.mesh import build_mesh, new_group_along
+from trainer.parallel.parts import ModelParts
 from trainer.parallel.pipeline.post_validation import PostValidation
 from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
@@ -62,17 +63,25 @@ def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractCont
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(run, device) else contextlib.nullcontext()
 
 
-def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
+def build_parts(run: Resolved, mesh, device: torch.device) -> ModelParts:
     """Build and parallelize on the meta device, then materialize this rank's shards and init them
-    from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights."""
+    from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights.
+    The model, and under pp its stage modules (the model kind's parallelize returns them)."""
     spec = get_model_spec(run.manifest.model.kind)
     with torch.device("meta"):
         model = spec.build(run.manifest.model)
-        if spec.parallelize is not None:
-            model = spec.parallelize(model, run, mesh, device)
-    model.to_empty(device=device)
-    spec.init_weights(model, run.manifest.train.seed)
-    return model
+        parts = spec.parallelize(model, run, mesh, device) if spec.parallelize is not None else ModelParts(model)
+    if not isinstance(parts, ModelParts):
+        raise TypeError(f"model.kind {run.manifest.model.kind}: parallelize returned {type(parts).__name__}, "
+                        "not a trainer.parallel.parts.ModelParts")
+    parts.model.to_empty(device=device)
+    spec.init_weights(parts.model, run.manifest.train.seed)
+    return parts
+
+
+def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
+    """build_parts' model, for callers that run no pipeline (one rank, tp, dp)."""
+    return build_parts(run, mesh, device).model
 
 
 def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
@@ -167,10 +176,11 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     layout = run.layout
     mesh = build_mesh(layout, device)
     torch.manual_seed(m.train.seed)
-    model = build_model(run, mesh, device)
-    sync = build_grad_sync(model, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
+    parts = build_parts(run, mesh, device)  # the model, and under pp this rank's stage modules
+    model = parts.model
+    sync = build_grad_sync(parts, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
     cp = context_shard(run, mesh)  # None, or this cp rank's slice of every sequence
-    pipeline = build_pipeline(model, sync, run, mesh, device) if m.parallel.pp > 1 else None  # this rank's stages
+    pipeline = build_pipeline(parts, sync, run, mesh, device) if m.parallel.pp > 1 else None  # this rank's stages
     lr_schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
     loader = build_loader(
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,

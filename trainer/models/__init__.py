@@ -60,7 +60,9 @@ class ModelSpec:
     num_embedding_params: Callable[[ModelSection], int]
     # Training FLOPs per token (forward + backward), PaLM/torchtitan convention. Torch-free.
     flops_per_token: Callable[[ModelSection], float]
-    # parallelize(model, mesh, manifest) -> model; filled in by the parallel layer.
+    # parallelize(model, run, mesh, device) -> trainer.parallel.parts.ModelParts, on the meta device: applies tp,
+    # cp, the pipeline split, recompute, compile and zero3 in the kind's order and returns the model with this
+    # rank's pipeline stage modules and tied weight (None: the model runs as built, on one rank or dp).
     parallelize: Callable[..., Any] | None = None
     # Attribute holding the blocks (a ModuleDict keyed "0".."N-1"), for pipeline splitting.
     layer_prefix: str = "layers"

@@ -108,10 +108,13 @@ class LocalSync:
         set_optimizer_state_dict(model, self.optimizer, state["optim"], options=_FLAT)
 
 
-def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> GradSync:
-    """Pick the gradient synchronisation (and with it the optimizer) the manifest asks for."""
+def build_grad_sync(parts, run, mesh, device: torch.device) -> GradSync:
+    """Pick the gradient synchronisation (and with it the optimizer) the manifest asks for, for the model
+    and pipeline parts (a trainer.parallel.parts.ModelParts) the model kind's parallelize returned."""
     from trainer.manifest.schema import Sharding
     from trainer.optim import build_optimizer
+
+    model = parts.model
 
     sharding = run.manifest.parallel.optimizer_sharding
     if mesh is None or run.dp * run.manifest.parallel.cp == 1:  # one data-parallel rank (cp ranks count as dp ranks):
@@ -120,16 +123,15 @@ def build_grad_sync(model: torch.nn.Module, run, mesh, device: torch.device) -> 
         if run.manifest.parallel.pp > 1:  # the same, but the gradient norm sums over the pipeline stages
             from trainer.parallel.pipeline.runtime import PipelineLocalSync
 
-            return PipelineLocalSync(model, optimizer, mesh["pp"].get_group())
+            return PipelineLocalSync(model, optimizer, mesh["pp"].get_group(), parts.tie)
         return LocalSync(model, optimizer)
     if sharding == Sharding.zero3:
         from trainer.parallel.fsdp import FSDPSync
 
         optimizer = build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device)
-        stages = model.__dict__.get("pipeline_stages")  # pp > 1: the stage modules are the FSDP roots
-        if stages is None:
+        if parts.stages is None:
             return FSDPSync(model, optimizer)
-        return FSDPSync(model, optimizer, stages=stages, pp_group=mesh["pp"].get_group())
+        return FSDPSync(model, optimizer, stages=parts.stages, pp_group=mesh["pp"].get_group())  # the FSDP roots
     from trainer.parallel.zero import BucketSync
 
-    return BucketSync(model, run, mesh, device)
+    return BucketSync(model, run, mesh, device, stages=parts.stages, tie=parts.tie)

@@ -29,7 +29,7 @@ manifest check warns about it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -41,14 +41,16 @@ from trainer.parallel.data import LocalSync
 from trainer.parallel.memory import tensor_bytes
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device) -> None:
+def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device,
+               stages: Mapping[int, torch.nn.Module] | None = None) -> None:
+    """FSDP2 on every block, then on the model, or under pp (`stages`: this rank's stage modules) on each
+    stage module, which keeps its parameters whole for the step (module docstring)."""
     # context-parallel ranks hold the same parameters: they shard like dp ranks (dp_shard × cp)
     shard = "dp_shard_cp" if run.manifest.parallel.cp > 1 else "dp_shard"
     dp_mesh = mesh.root["dp_replicate", shard] if run.dp_replicate > 1 else mesh["dp_shard_cp"]
     reduce = torch.bfloat16 if run.manifest.parallel.reduce_dtype.value == "bf16" else torch.float32
     bf16 = run.manifest.train.precision.value == "bf16" or (run.manifest.train.precision.value == "auto" and device.type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce)
-    stages = model.__dict__.get("pipeline_stages")  # pp > 1: split.build_stages
     reshard = stages is None  # under pp a stage keeps its parameters whole for the step (module docstring)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)

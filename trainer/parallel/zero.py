@@ -27,8 +27,9 @@ none 4 + 4 + 8 = 16;  zero1 4 + 4 + 8/d;  zero2 4 + 4/d + 8/d  (zero3, FSDP2: 16
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from trainer.parallel import zero_state
 from trainer.parallel.buckets import Bucket, DPGroups, GradReducer
 from trainer.parallel.clip import clip_coef
 from trainer.parallel.memory import tensor_bytes
+
+if TYPE_CHECKING:
+    from trainer.parallel.pipeline.tied import TiedWeights
 
 
 def dp_groups(mesh, mode: str) -> DPGroups:
@@ -79,7 +83,7 @@ class OwnedSlice:
     tp_sharded: bool  # its elements are disjoint across the tp group (summed there for the norm)
 
 
-def _stage_scopes(named: list, stages: dict | None, tie) -> tuple[dict[int, list[int]] | None, list[int]]:
+def _stage_scopes(named: list, stages: Mapping | None, tie) -> tuple[dict[int, list[int]] | None, list[int]]:
     """Under pp (`stages`: this rank's stage modules) one reducer scope per stage, {stage: indices into
     `named`}, and the tied weight as a solo bucket when its other copy is on another rank (tied.py)."""
     if stages is None:
@@ -93,7 +97,10 @@ def _stage_scopes(named: list, stages: dict | None, tie) -> tuple[dict[int, list
 class BucketSync:
     """GradSync for none / zero1 / zero2 (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, run, mesh, device: torch.device, bucket_bytes: int | None = None):
+    def __init__(self, model: torch.nn.Module, run, mesh, device: torch.device, bucket_bytes: int | None = None,
+                 stages: Mapping[int, torch.nn.Module] | None = None, tie: TiedWeights | None = None):
+        """`stages`, `tie` (pp > 1): this rank's stage modules, one reducer scope each, and its tied weight's
+        copies (trainer.parallel.parts.ModelParts)."""
         p = run.manifest.parallel
         self.mode = p.optimizer_sharding.value
         self.groups = dp_groups(mesh, self.mode)
@@ -101,8 +108,8 @@ class BucketSync:
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
         bucket_bytes = bucket_bytes or int(p.bucket_mb * 2**20)
         comm = torch.bfloat16 if p.reduce_dtype.value == "bf16" else torch.float32
-        self.tie = model.__dict__.get("pipeline_tie")  # tied embeddings across pipeline stages, or None
-        scopes, solo = _stage_scopes(named[::-1], model.__dict__.get("pipeline_stages"), self.tie)
+        self.tie = tie  # tied embeddings across pipeline stages, or None
+        scopes, solo = _stage_scopes(named[::-1], stages, self.tie)
         self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
         tied = {id(q) for q in self.tie.params} if self.tie is not None else set()
         self.tied = [i for i, q in enumerate(self.reducer.params) if id(q) in tied]  # reducer indices of this rank's tied copy

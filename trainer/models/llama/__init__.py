@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trainer.manifest.schema import ModelSection
+    from trainer.parallel.parts import ModelParts
 
 
 def build(cfg: ModelSection) -> nn.Module:
@@ -28,7 +29,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     llama_model.init_weights(model, seed)
 
 
-def parallelize(model: nn.Module, run, mesh, device) -> nn.Module:
+def parallelize(model: nn.Module, run, mesh, device) -> ModelParts:
     from trainer.models.llama.parallelize import parallelize_llama
 
     return parallelize_llama(model, run, mesh, device)

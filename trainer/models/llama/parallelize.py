@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from trainer.manifest.schema import Sharding
 from trainer.models.llama.model import TiedHead
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.parts import ModelParts
 from trainer.parallel.recompute import apply_activation_checkpointing
 from trainer.parallel.tensor import apply_tensor_parallel
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from trainer.manifest import Resolved
 
 
-def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | None, device: torch.device) -> torch.nn.Module:
+def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | None, device: torch.device) -> ModelParts:
     p, train = run.manifest.parallel, run.manifest.train
     if p.tp > 1:
         apply_llama_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
@@ -44,15 +45,16 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
     if train.compile:
         apply_compile(model.layers)
+    parts = ModelParts(model)
     if p.pp > 1:  # the stage modules the pipeline calls (over the wrapped blocks; FSDP roots under zero3)
         from trainer.parallel.pipeline.split import build_stages
 
-        build_stages(model, run, mesh["pp"].get_local_rank())
+        parts = build_stages(model, run, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:
         from trainer.parallel.fsdp import apply_fsdp
 
-        apply_fsdp(model, mesh, run, device)
-    return model
+        apply_fsdp(model, mesh, run, device, parts.stages)
+    return parts
 
 
 def backward_passes(run: Resolved) -> int:

@@ -1,9 +1,9 @@
 """Pipeline parallelism on real ranks: the object the training loop calls once per step.
 
-    pipeline = build_pipeline(model, sync, run, mesh, device)   # next to the model
+    pipeline = build_pipeline(parts, sync, run, mesh, device)   # next to the model
     loss = pipeline.step(microbatches, autocast)                # instead of train_step
 
-`model` is this rank's part of the model (split.py cut it before init);
+`parts` is this rank's part of the model and its stage modules (split.py cut it before init);
 `step` runs the generated action list of this pipeline rank (executor.py),
 waits for the data-parallel reductions, and returns the mean loss over the
 microbatches, broadcast from the last stage so every pipeline rank returns it.
@@ -49,11 +49,14 @@ import torch.distributed as dist
 from trainer.parallel.buckets import local_tensor
 from trainer.parallel.clip import clip_grad_norm_, grad_sq, scale_grads_
 from trainer.parallel.data import LocalSync
+from trainer.parallel.fsdp import FSDPSync
+from trainer.parallel.parts import ModelParts
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
 from trainer.parallel.pipeline.profile import StageProfile
 from trainer.parallel.pipeline.schedules import build_schedule
-from trainer.parallel.pipeline.split import activation_shape, build_stages, cross_entropy, layout_for
+from trainer.parallel.pipeline.split import activation_shape, cross_entropy, layout_for
+from trainer.parallel.pipeline.tied import TiedWeights
 from trainer.parallel.pipeline.validation import prefix, replays
 from trainer.parallel.tensor import loss_context
 
@@ -64,10 +67,11 @@ class PipelineLocalSync(LocalSync):
     """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline
     stages, and which sums the gradients of a tied weight's two copies (tied.py)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup,
+                 tie: TiedWeights | None = None):
         super().__init__(model, optimizer)
         self.pp_group = pp_group
-        self.tie = model.__dict__.get("pipeline_tie")
+        self.tie = tie
 
     def finish_backward(self) -> None:
         super().finish_backward()
@@ -97,7 +101,7 @@ class PipelineLocalSync(LocalSync):
 class Pipeline:
     """This rank's stages, its action list and the gradient-sync policy (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, sync, run, mesh, device: torch.device,
+    def __init__(self, parts: ModelParts, sync, run, mesh, device: torch.device,
                  cost: Mapping[Kind, float] | None = None) -> None:
         m, p = run.manifest, run.manifest.parallel
         from trainer.plan.schedule import schedule_options  # zb-auto's costs: the same `mantra plan` uses
@@ -107,8 +111,11 @@ class Pipeline:
         layout, _ = layout_for(run)
         pp_mesh = mesh["pp"]
         self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
-        # the model's parallelize built them (over its wrapped blocks; FSDP roots under zero3)
-        self.stages = model.__dict__.get("pipeline_stages") or build_stages(model, run, self.pp_rank)
+        # the model kind's parallelize built them (over its wrapped blocks; FSDP roots under zero3)
+        if parts.stages is None:
+            raise ValueError(f"model.kind {m.model.kind}: its parallelize returned no pipeline stages for pp {p.pp} "
+                             "(trainer.parallel.pipeline.split.build_stages makes them)")
+        self.stages = dict(parts.stages)
         # a cp rank's stages carry its seq_len/cp tokens (the loop slices them, see `step`)
         shape = activation_shape(run.batch.micro_batch, m.model.seq_len // p.cp, m.model.dim, p.tp, p.sequence_parallel)
         actions = self.schedule.ranks[self.pp_rank]
@@ -120,7 +127,7 @@ class Pipeline:
         self.sync = sync
         self.loss_rank = layout.rank_of(layout.num_stages - 1)
         dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
-        self.fsdp = hasattr(sync, "pipeline_step")  # zero3: FSDP reduces once, after the step (fsdp.py)
+        self.fsdp = isinstance(sync, FSDPSync)  # zero3: FSDP reduces once, after the step (fsdp.py)
         self.post_validation = p.post_validated  # steps overlap; the loop checks each during the next
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
@@ -190,6 +197,6 @@ def _after(fn):
     fn()
 
 
-def build_pipeline(model: torch.nn.Module, sync, run, mesh, device: torch.device) -> Pipeline:
+def build_pipeline(parts: ModelParts, sync, run, mesh, device: torch.device) -> Pipeline:
     """The pipeline of this rank (pp > 1 only)."""
-    return Pipeline(model, sync, run, mesh, device)
+    return Pipeline(parts, sync, run, mesh, device)

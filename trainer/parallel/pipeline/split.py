@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.llama.model import TiedHead, rope_at
+from trainer.parallel.parts import ModelParts
 from trainer.parallel.pipeline.stages import StageLayout
 
 
@@ -130,14 +131,12 @@ def split_model(model: nn.Module, run, pp_rank: int) -> None:
     keep_stages(model, layout, pp_rank, split)
 
 
-def build_stages(model: nn.Module, run, pp_rank: int) -> dict[int, StageModule]:
-    """The stage modules of rank `pp_rank`, kept on `model.pipeline_stages` (a plain attribute, not
-    a submodule, so FQNs do not change). Call after activation checkpointing and compile have
-    wrapped the blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
+def build_stages(model: nn.Module, run, pp_rank: int) -> ModelParts:
+    """The model with rank `pp_rank`'s stage modules (not submodules of the model, so FQNs do not change)
+    and its tied weight's copies, if any. Call after activation checkpointing and compile have wrapped the
+    blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
     from trainer.parallel.pipeline.tied import build_tie
 
     layout, split = layout_for(run)
     stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
-    object.__setattr__(model, "pipeline_stages", stages)  # bypass nn.Module registration
-    object.__setattr__(model, "pipeline_tie", build_tie(model, run, layout, pp_rank))  # tied embeddings, or None
-    return stages
+    return ModelParts(model, stages, build_tie(model, run, layout, pp_rank))
