@@ -63,6 +63,8 @@ APIS = {
     "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*",
                     otherwise="the attention ops this torch lacks are left out of the set"),
     "profiler_events": Api("the CPU live-tensor tracker (bench/, tests/)", "torch._C._profiler._EventType"),
+    "grouped_mm": Api("MoE experts as grouped matmuls (models/moe)", "torch._grouped_mm",
+                      otherwise="a loop of one SwiGLU per expert (the same result, slower)"),
     "cpu_flash": Api("ring attention's fused CPU blocks (parallel.cp_kind: ring)",
                      "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu and its _backward "
                      "(the same schemas on 2.11 and 2.13)",
@@ -320,6 +322,19 @@ def foreach_mul_(tensors: Sequence, scalar: Any) -> None:
         return
     RESOLVED.append("torch._foreach_mul_")
     fused(tensors, scalar)
+
+
+# -- grouped matmul --------------------------------------------------------------------------------------
+
+def grouped_mm() -> Callable | None:
+    """torch._grouped_mm (rows of a 2-D input grouped by `offs`, times a stack of matrices), or None
+    where this torch lacks it: the MoE experts then loop over experts."""
+    import torch
+
+    fused = getattr(torch, "_grouped_mm", None)
+    if fused is not None:
+        RESOLVED.append("torch._grouped_mm")
+    return fused
 
 
 # -- profiler -----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.compat import grouped_mm
 from trainer.models.llama.model import FeedForward, _copy_full, param_seed
 
 SCORES = ("softmax", "sigmoid")
@@ -157,10 +158,11 @@ class _ContiguousGrad(torch.autograd.Function):
 def swiglu_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    w3: torch.Tensor) -> torch.Tensor:
     """The same as swiglu_loop with three torch._grouped_mm calls (no host sync)."""
+    mm = grouped_mm()
     offs = counts.cumsum(0).to(torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
+    h = F.silu(mm(x, w1.transpose(-2, -1), offs=offs))
+    h = h * mm(x, w3.transpose(-2, -1), offs=offs)
+    return _ContiguousGrad.apply(mm(h, w2.transpose(-2, -1), offs=offs))
 
 
 _GROUPED_WORKS: dict[tuple[str, torch.dtype], bool] = {}
@@ -187,7 +189,7 @@ def _probe_grouped(device: torch.device, dtype: torch.dtype) -> bool:
 def grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """torch._grouped_mm exists, works on x's device type and dtype, and the rows of x, w1 and the
     hidden activations are 16-byte aligned (dim and ffn_dim times the element size)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w1.dtype or x.shape[0] == 0:
+    if grouped_mm() is None or x.dtype != w1.dtype or x.shape[0] == 0:
         return False
     size = x.element_size()
     if (w1.shape[-1] * size) % 16 or (w1.shape[-2] * size) % 16:
