@@ -72,20 +72,21 @@ def rank_rows(run: Resolved, ranks: list[int] | None = None) -> list[RankRow]:
     import torch
 
     from trainer.models import get_model_spec
-    from trainer.parallel.pipeline.split import keep_stages, layout_for
+    from trainer.parallel.pipeline.split import layout_for
 
     m = run.manifest
     p = m.parallel
     layout = run.layout
     ranks = list(range(layout.world_size)) if ranks is None else ranks
     stages, split = layout_for(run)
+    spec = get_model_spec(m.model.kind)
     with torch.device("meta"):
-        model = get_model_spec(m.model.kind).build(m.model)
+        model = spec.build(m.model)
     children, blocks = dict(model.named_children()), dict(model.layers.items())
-    kept: dict[int, dict[str, int]] = {}  # pp rank -> {fqn: numel} of what it keeps (split.keep_stages, as the runtime)
+    kept: dict[int, dict[str, int]] = {}  # pp rank -> {fqn: numel} of what it keeps (the kind's keep_stages, as the runtime)
     for pp_rank in sorted({layout.coords(r)["pp"] for r in ranks}):
         if p.pp > 1:
-            keep_stages(model, stages, pp_rank, split)
+            spec.keep_stages(model, stages, pp_rank, split)
         kept[pp_rank] = {name: param.numel() for name, param in model.named_parameters()}
         for name, child in children.items():  # undo keep_stages: one build serves every pipeline rank
             setattr(model, name, child)

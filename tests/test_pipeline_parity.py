@@ -239,7 +239,8 @@ def test_balanced_split_matches_one_process(name, big_head):
     from trainer.manifest import load_manifest
     from trainer.models import get_model_spec
     from trainer.parallel.pipeline.balance import stage_counts
-    from trainer.parallel.pipeline.split import layout_for, split_model
+    from trainer.models.llama.pipeline import split_model
+    from trainer.parallel.pipeline.split import layout_for
 
     tmp, runs = big_head
     run, _ = load_manifest(tmp / f"{name}.yaml")

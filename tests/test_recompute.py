@@ -59,7 +59,7 @@ def test_recompute_keeps_gradients_and_recomputes_what_it_says():
 def split_backward(mode: str, passes: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Counter]:
     """A last pipeline stage (blocks 1.. + head) through B then W, as the zero-bubble schedules run it."""
     from trainer.parallel.pipeline.backward import backward_input, backward_weight
-    from trainer.parallel.pipeline.split import StageModule
+    from trainer.models.llama.pipeline import StageModule
 
     spec = get_model_spec("llama")
     model = spec.build(CFG)

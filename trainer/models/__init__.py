@@ -66,6 +66,9 @@ class ModelSpec:
     parallelize: Callable[..., Any] | None = None
     # Attribute holding the blocks (a ModuleDict keyed "0".."N-1"), for pipeline splitting.
     layer_prefix: str = "layers"
+    # keep_stages(model, stage_layout, pp_rank, layers_per_stage): delete from a (meta) model what pipeline rank
+    # pp_rank's stages do not run, as its parallelize does; `mantra dry-run` counts what remains.
+    keep_stages: Callable[..., None] | None = None
 
 
 MODELS: Registry[ModelSpec] = Registry("model kind", entry_point_group="mantra.models", item_type=ModelSpec)

@@ -35,6 +35,12 @@ def parallelize(model: nn.Module, run, mesh, device) -> ModelParts:
     return parallelize_llama(model, run, mesh, device)
 
 
+def keep_stages(model: nn.Module, layout, pp_rank: int, split: list[list[int]]) -> None:
+    from trainer.models.llama.pipeline import keep_stages as keep
+
+    keep(model, layout, pp_rank, split)
+
+
 @register_model("llama")
 def llama_spec() -> ModelSpec:
     return ModelSpec(
@@ -47,4 +53,5 @@ def llama_spec() -> ModelSpec:
         num_embedding_params=config.num_embedding_params,
         flops_per_token=config.flops_per_token,
         parallelize=parallelize,
+        keep_stages=keep_stages,
     )

@@ -39,7 +39,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     if p.cp > 1:
         apply_llama_context_parallel(model, mesh["cp"].get_group(), p.cp_kind.value)
     if p.pp > 1:  # keep only this rank's stages; FQNs (and so the seeded init) stay the whole model's
-        from trainer.parallel.pipeline.split import split_model
+        from trainer.models.llama.pipeline import split_model
 
         split_model(model, run, mesh["pp"].get_local_rank())
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
@@ -47,7 +47,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         apply_compile(model.layers)
     parts = ModelParts(model)
     if p.pp > 1:  # the stage modules the pipeline calls (over the wrapped blocks; FSDP roots under zero3)
-        from trainer.parallel.pipeline.split import build_stages
+        from trainer.models.llama.pipeline import build_stages
 
         parts = build_stages(model, run, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:

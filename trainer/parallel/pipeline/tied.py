@@ -2,7 +2,7 @@
 
 The embedding sits on the first stage and the head on the last. With tied
 weights both need the same matrix, so the rank holding the last stage keeps a
-copy of `tok_embeddings` (same FQN, so the seeded init, the checkpoint and the
+copy of the embedding (same FQN, so the seeded init, the checkpoint and the
 optimizer state are the same tensor on both ranks) and the two copies stay
 equal because their gradients are summed before every optimizer step
 (Megatron's embedding group):
@@ -48,15 +48,14 @@ class TiedWeights:
                 dist.all_reduce(g, group=self.group)
 
 
-def build_tie(model: nn.Module, run, layout, pp_rank: int) -> TiedWeights | None:
-    """The tie of this rank (None when it holds neither end, or the model is untied). Creates the
-    holders' process groups: call on every rank, in the same order."""
-    if not run.manifest.model.tie_embeddings:
-        return None
+def build_tie(embedding: nn.Module, layout, pp_rank: int, world) -> TiedWeights | None:
+    """This rank's part in a tie of `embedding` (the module holding the tied weight) between the first and
+    the last virtual stage of `layout`; None when it holds neither end. `world`: the rank layout
+    (trainer.parallel.layout.Layout). Creates the holders' process groups: call on every rank, in the
+    same order."""
     first, last = layout.rank_of(0), layout.rank_of(layout.num_stages - 1)
     group = None
     if first != last:
-        world = run.layout
         by_coords: dict[tuple, dict[int, int]] = {}  # (dp, cp, tp coordinates) -> {pp rank: global rank}
         for rank in range(world.world_size):
             c = world.coords(rank)
@@ -69,4 +68,4 @@ def build_tie(model: nn.Module, run, layout, pp_rank: int) -> TiedWeights | None
                 group = made
     if pp_rank not in (first, last):
         return None
-    return TiedWeights(model.tok_embeddings, group, counted=pp_rank == first)
+    return TiedWeights(embedding, group, counted=pp_rank == first)
