@@ -30,10 +30,11 @@ import torch
 from trainer.checkpoint import Checkpointer
 from trainer.ckpt_integrity import ALGORITHM, checksum_bytes, checksum_file
 from trainer.data import build_loader
-from trainer.loop import build_model, train_step
+from trainer.assemble import build_model
+from trainer.loop import train_step
 from trainer.manifest import load_manifest
 from trainer.optim import build_lr_schedule, build_optimizer
-from trainer.parallel.data import LocalSync
+from trainer.parallel.data.sync import LocalSync
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {

@@ -18,7 +18,7 @@ from rich.table import Table
 from launchers.local import torchrun_command
 from trainer.manifest import Resolved
 from trainer.manifest.schema import Sharding
-from trainer.parallel.layout import DIM_NAMES
+from trainer.manifest.layout import DIM_NAMES
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def rank_rows(run: Resolved, ranks: list[int] | None = None) -> list[RankRow]:
     import torch
 
     from trainer.models import get_model_spec
-    from trainer.parallel.pipeline.split import layout_for
+    from trainer.plan.split import layout_for
 
     m = run.manifest
     p = m.parallel
@@ -86,7 +86,7 @@ def rank_rows(run: Resolved, ranks: list[int] | None = None) -> list[RankRow]:
     kept: dict[int, dict[str, int]] = {}  # pp rank -> {fqn: numel} of what it keeps (the kind's keep_stages, as the runtime)
     for pp_rank in sorted({layout.coords(r)["pp"] for r in ranks}):
         if p.pp > 1:
-            spec.keep_stages(model, stages, pp_rank, split)
+            spec.pipeline.keep_stages(model, stages, pp_rank, split)
         kept[pp_rank] = {name: param.numel() for name, param in model.named_parameters()}
         for name, child in children.items():  # undo keep_stages: one build serves every pipeline rank
             setattr(model, name, child)
@@ -150,7 +150,7 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
         console.print(f"{run.world_size - len(ranks):,} more ranks not shown: each holds what the rank with its pp, cp "
                       "and tp coordinates and data-parallel coordinates 0 holds")
     if m.parallel.pp > 1:
-        from trainer.parallel.pipeline.balance import stage_counts
+        from trainer.plan.split import stage_counts
 
         how = {None: "uniform", "balanced": "balanced"}.get(m.parallel.stage_layers, "listed")  # type: ignore[arg-type]
         console.print(f"pipeline split ({how}): layers per virtual stage {list(stage_counts(run))}")

@@ -40,7 +40,7 @@ def full_parameters(model) -> dict:
 def merge_ranks(params: dict, out: Path) -> dict:
     """Union of every rank's {fqn: tensor}: with pp each rank holds only its stages' parameters;
     replicas (dp, tp after full_tensor) agree and the lowest rank's copy is kept. Through files next
-    to `out` (gloo's all-gather can abort a process at exit; see trainer/parallel/zero.py)."""
+    to `out` (gloo's all-gather can abort a process at exit; see trainer/parallel/data/zero.py)."""
     import torch
     import torch.distributed as dist
 

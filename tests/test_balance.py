@@ -14,15 +14,8 @@ from conftest import ROOT, mantra
 from launchers.dry_run import print_dry_run
 from launchers.plan import split_lines
 from trainer.manifest import load_manifest
-from trainer.parallel.pipeline.balance import (
-    ChunkCosts,
-    TooFewLayers,
-    balance,
-    costs_for,
-    rank_loads,
-    simulated_step,
-    stage_counts,
-)
+from trainer.parallel.pipeline.balance import ChunkCosts, TooFewLayers, balance, rank_loads
+from trainer.plan.split import costs_for, simulated_step, stage_counts
 from trainer.parallel.pipeline.stages import StageLayout
 
 LAYOUTS = [StageLayout(2), StageLayout(4), StageLayout(8), StageLayout(2, 2), StageLayout(4, 2), StageLayout(4, 3),
@@ -148,7 +141,7 @@ def test_a_layer_count_that_does_not_divide_validates_when_balanced(tiny_manifes
 
 def test_runtime_dry_run_and_plan_show_one_split(tiny_manifest):
     from launchers.dry_run import rank_rows
-    from trainer.parallel.pipeline.split import layout_for
+    from trainer.plan.split import layout_for
     from trainer.plan import estimate
 
     path, run = _tiny(tiny_manifest, BIG_VOCAB)

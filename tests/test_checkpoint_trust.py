@@ -163,10 +163,11 @@ def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
 def local(tmp_path):
     """A tiny model, its optimizer (after one real step, so AdamW has state), LR schedule and loader."""
     from trainer.data import build_loader
-    from trainer.loop import build_model, train_step
+    from trainer.assemble import build_model
+    from trainer.loop import train_step
     from trainer.manifest import load_manifest
     from trainer.optim import build_lr_schedule, build_optimizer
-    from trainer.parallel.data import LocalSync
+    from trainer.parallel.data.sync import LocalSync
 
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(tiny_config("local", tmp_path / "local", steps=4)))

@@ -51,7 +51,7 @@ def val_rows(rows):
 
 def test_one_process_val_loss_is_the_token_mean_of_the_validation_batches(single, valid_text, tmp_path):
     """val_loss at the last step, recomputed from the final parameters and the file's first windows."""
-    from trainer.loop import build_model
+    from trainer.assemble import build_model
     from trainer.manifest import load_manifest
     from trainer.models import canonical_name
 

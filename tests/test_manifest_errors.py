@@ -160,15 +160,24 @@ def test_all_errors_reported_at_once(tmp_path, capsys):
 
 
 def test_every_error_at_once_with_an_unknown_model_kind(tmp_path, capsys):
-    """Schema errors do not hide the cross-field ones: the model kind, tp and an unknown key together."""
+    """Schema errors do not hide the cross-field ones: the model kind, tp and an unknown key together. (The
+    kind's own checks, heads over tp among them, need a known kind: test_kind_checks_the_parallel_degrees.)"""
     path = tmp_path / "m.yaml"
     path.write_text(BASE.replace("model:\n", "model:\n  kind: lama\n") + "parallel:\n  tp: 3\n  tensor_paralel: 2\n")
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     for line in [f"{path}:3:9: error: model.kind: unknown model kind 'lama'; did you mean 'llama'?",
-                 f"{path}:18:7: error: parallel.tp: 3 does not divide model.heads (4)",
+                 f"{path}:9:10: error: model.vocab: 256 does not split over tp = 3",
                  f"{path}:19:3: error: parallel.tensor_paralel: unknown key"]:
         assert line in err, err
+
+
+def test_kind_checks_the_parallel_degrees(tmp_path, capsys):
+    """The model kind's check_parallel (llama: heads and kv_heads over tp) reports at the parallel field."""
+    path = tmp_path / "m.yaml"
+    path.write_text(BASE + "parallel:\n  tp: 3\n")
+    assert main(["validate", str(path)]) == 2
+    assert f"{path}:17:7: error: parallel.tp: 3 does not divide model.heads (4)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, overrides, only", [

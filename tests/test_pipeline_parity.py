@@ -238,9 +238,9 @@ def test_balanced_split_matches_one_process(name, big_head):
 
     from trainer.manifest import load_manifest
     from trainer.models import get_model_spec
-    from trainer.parallel.pipeline.balance import stage_counts
+    from trainer.plan.split import stage_counts
     from trainer.models.llama.pipeline import split_model
-    from trainer.parallel.pipeline.split import layout_for
+    from trainer.plan.split import layout_for
 
     tmp, runs = big_head
     run, _ = load_manifest(tmp / f"{name}.yaml")
@@ -307,7 +307,7 @@ def main(out: Path, manifests: list[Path]) -> None:
 
     import trainer.loop as loop
     from harness import full_parameters, merge_ranks
-    from trainer.parallel.fsdp import FSDPSync
+    from trainer.parallel.data.fsdp import FSDPSync
     from trainer.manifest import load_manifest
 
     loop.shutdown_distributed = lambda: None  # one process group for every manifest of this launch

@@ -21,7 +21,8 @@ from trainer.parallel.pipeline.actions import Kind
 from trainer.parallel.pipeline.backward import backward_input, backward_weight, full_backward
 from trainer.parallel.pipeline.executor import Executor
 from trainer.models.llama.pipeline import StageModule, keep_stages
-from trainer.parallel.pipeline.split import cross_entropy, stage_layers
+from trainer.models import cross_entropy
+from trainer.parallel.pipeline.split import stage_layers
 from trainer.parallel.pipeline.stages import StageLayout
 
 CFG = ModelSection(dim=32, layers=4, heads=4, kv_heads=2, ffn_dim=64, vocab=256, seq_len=16)

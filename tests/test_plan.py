@@ -83,7 +83,7 @@ def _stage_setup(sharding: str, pp: int, bf16: bool = False) -> memory.Setup:
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_zero3_with_a_pipeline_holds_whole_stages_during_the_step(bf16):
-    """zero3 under pp (trainer/parallel/fsdp.py): gathered at a stage's first forward and kept whole, gradients
+    """zero3 under pp (trainer/parallel/data/fsdp.py): gathered at a stage's first forward and kept whole, gradients
     accumulated whole, reduce-scattered after the last backward; Adam's states stay sharded throughout."""
     from trainer.plan.shapes import fsdp_numel
 
@@ -156,7 +156,7 @@ def test_sharding_orders_peak_memory(tmp_path):
 
 
 def test_bucket_packing_matches_the_reducer():
-    from trainer.parallel.buckets import plan_buckets as real
+    from trainer.parallel.data.buckets import plan_buckets as real
 
     numels = [local_numel(p, 2) for p in reversed(llama_params(CFG))]
     for elems, shards in ((1000, 1), (4096, 2), (10**6, 4), (20000, 3)):

@@ -7,7 +7,7 @@ import pytest
 from trainer.manifest.resolve import Unresolvable, derive_batch, derive_dp
 from trainer.manifest.schema import Manifest, OptimizerSection
 from trainer.optim import lr_at
-from trainer.parallel.layout import Layout
+from trainer.manifest.layout import Layout
 
 MODEL = {"dim": 32, "layers": 4, "heads": 4, "ffn_dim": 64, "vocab": 256, "seq_len": 16}
 

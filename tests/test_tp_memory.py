@@ -20,7 +20,7 @@ def worker(out: Path) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     from conftest import merge, tiny_config, worker_done
-    from trainer.loop import build_model
+    from trainer.assemble import build_model
     from trainer.manifest.resolve import resolve
     from trainer.manifest.schema import Manifest
     from trainer.parallel.mesh import build_mesh
@@ -28,7 +28,7 @@ def worker(out: Path) -> None:
     dist.init_process_group("gloo")
     config = merge(tiny_config("tp", out / "tp"), {"launcher": {"nproc": 2}, "parallel": {"tp": 2, "sequence_parallel": True}})
     run = resolve(Manifest.model_validate(config), "<tp memory>")
-    mesh = build_mesh(run.layout, torch.device("cpu"))
+    mesh = build_mesh(run.layout.sizes, torch.device("cpu"))
     model = build_model(run, mesh, torch.device("cpu"))
     sharded = replicated = full_sharded = 0
     for p in model.parameters():

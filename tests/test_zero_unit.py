@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import merge, tiny_config
-from trainer.parallel.buckets import ALIGN, plan_buckets, plan_grouped
+from trainer.parallel.data.buckets import ALIGN, plan_buckets, plan_grouped
 
 # -- the plan: pure -------------------------------------------------------------------------------
 
@@ -103,14 +103,21 @@ def _run(mode: str, world: int, tmp: str, **parallel):
 
 
 def _sync(mode: str, world: int, tmp: str, bucket_bytes: int, model=None, stages=None, **parallel):
-    from trainer.loop import build_model
+    from trainer.assemble import build_model
     from trainer.parallel.mesh import build_mesh
-    from trainer.parallel.zero import BucketSync
+    from trainer.parallel.data.zero import BucketSync
 
     run = _run(mode, world, tmp, **parallel)
-    mesh = build_mesh(run.layout, torch.device("cpu"))
+    mesh = build_mesh(run.layout.sizes, torch.device("cpu"))
     model = model if model is not None else build_model(run, mesh, torch.device("cpu"))
-    return model, BucketSync(model, run, mesh, torch.device("cpu"), bucket_bytes=bucket_bytes, stages=stages)
+    from trainer.optim import build_optimizer
+    from trainer.precision import reduce_dtype
+
+    def make_optimizer(named):
+        return build_optimizer(named, run.manifest.optimizer, torch.device("cpu"))
+
+    return model, BucketSync(model, mode, mesh, torch.device("cpu"), make_optimizer, bucket_bytes=bucket_bytes,
+                             comm_dtype=reduce_dtype(run), stages=stages)
 
 
 def _tokens(rank: int, step: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from trainer.manifest import Resolved
 from trainer.manifest.schema import Precision, Sharding
-from trainer.parallel.layout import DIM_NAMES
+from trainer.manifest.layout import DIM_NAMES
 
 LABEL_WIDTH = 10
 

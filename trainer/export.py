@@ -93,27 +93,21 @@ def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, 
 def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
     from safetensors.torch import save_file
 
-    from trainer.models.llama.hf import hf_config_kwargs, to_hf_state_dict
+    from trainer.models import get_model_spec
 
     model, manifest = load_model(checkpoint, verify)
     cfg = manifest.model
-    if cfg.kind != "llama":
-        raise ExportError(f"{checkpoint}: model.kind '{cfg.kind}' has no Hugging Face mapping; only llama exports")
-    tensors = {k: v.detach().contiguous().clone() for k, v in to_hf_state_dict(model, cfg).items()}
-    if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight")  # tied: transformers re-ties it to the embedding
+    mapping = get_model_spec(cfg.kind).hf
+    if mapping is None:
+        raise ExportError(f"{checkpoint}: model.kind '{cfg.kind}' has no Hugging Face mapping (its ModelSpec.hf)")
+    tensors = {k: v.detach().contiguous().clone() for k, v in mapping.to_hf(model.state_dict(), cfg).items()}
+    if getattr(cfg, "tie_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it to the embedding
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(manifest, out)  # first: a missing tokenizer stops the export before the weights are written
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_config_kwargs(cfg) | {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "torch_dtype": "float32",
-        "rope_theta": cfg.rope_theta,  # older transformers read it here, newer from rope_parameters
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
+    config = mapping.config(cfg)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in EXPORTED_FILES:
         os.chmod(out / name, 0o644)

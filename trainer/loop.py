@@ -9,36 +9,33 @@ Every rank calls `train(resolved)`; the launcher decides how many there are.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainer.assemble import build_grad_sync, build_parts, build_pipeline
 from trainer.banner import print_banner
 from trainer.checkpoint import Checkpointer
 from trainer.data import build_loader
 from trainer.evaluate import NO_VALIDATION, build_validation
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
-from trainer.manifest.schema import Precision
 from trainer.memtrack import RunMemory
 from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
-from trainer.models import get_model_spec
+from trainer.models import cross_entropy, get_model_spec
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
 from trainer.optim import build_lr_schedule
 from trainer.parallel.context.attention import uses_zigzag
 from trainer.parallel.context.split import ContextShard
-from trainer.parallel.data import GradSync, build_grad_sync
+from trainer.parallel.data.sync import GradSync
 from trainer.parallel.mesh import build_mesh, new_group_along
-from trainer.parallel.parts import ModelParts
 from trainer.parallel.pipeline.post_validation import PostValidation
-from trainer.parallel.pipeline.runtime import build_pipeline
 from trainer.parallel.tensor import loss_context
+from trainer.precision import autocast_for, uses_bf16
 from trainer.preempt import PreemptionFlag, StopRequested, stop_for
 from trainer.run_status import RunStatus
 from trainer.watchdog import HangWatchdog
@@ -53,39 +50,8 @@ class TrainResult:
     run_dir: Path
 
 
-def uses_bf16(run: Resolved, device: torch.device) -> bool:
-    """bf16 autocast over fp32 master weights on GPU ('auto' or 'bf16'); fp32 on CPU unless asked."""
-    precision = run.manifest.train.precision
-    return precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
-
-
-def autocast_for(run: Resolved, device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(run, device) else contextlib.nullcontext()
-
-
-def build_parts(run: Resolved, mesh, device: torch.device) -> ModelParts:
-    """Build and parallelize on the meta device, then materialize this rank's shards and init them
-    from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights.
-    The model, and under pp its stage modules (the model kind's parallelize returns them)."""
-    spec = get_model_spec(run.manifest.model.kind)
-    with torch.device("meta"):
-        model = spec.build(run.manifest.model)
-        parts = spec.parallelize(model, run, mesh, device) if spec.parallelize is not None else ModelParts(model)
-    if not isinstance(parts, ModelParts):
-        raise TypeError(f"model.kind {run.manifest.model.kind}: parallelize returned {type(parts).__name__}, "
-                        "not a trainer.parallel.parts.ModelParts")
-    parts.model.to_empty(device=device)
-    spec.init_weights(parts.model, run.manifest.train.seed)
-    return parts
-
-
-def build_model(run: Resolved, mesh, device: torch.device) -> torch.nn.Module:
-    """build_parts' model, for callers that run no pipeline (one rank, tp, dp)."""
-    return build_parts(run, mesh, device).model
-
-
 def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
-               cp: ContextShard | None = None) -> torch.Tensor:
+               cp: ContextShard | None = None, loss_fn=cross_entropy) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced).
     `cp`: under context parallel this rank's slice of each sequence (its tokens, targets and RoPE
     positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean."""
@@ -102,7 +68,7 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
                 else:
                     logits = model(inputs) if positions is None else model(inputs, positions)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                loss = loss_fn(logits, targets)
                 del logits  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
                 (loss / grad_accum).backward()
         loss = loss.detach()
@@ -120,7 +86,8 @@ def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, d
     if pipeline is not None:  # the schedule's actions over the pipeline ranks
         loss = pipeline.step(microbatches, autocast, cp)  # cp: each stage gets this cp rank's slice
     else:
-        loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp)
+        loss = train_step(model, sync, microbatches, device, autocast, m.parallel.tp, run.grad_accum, cp,
+                          get_model_spec(m.model.kind).loss)
     grad_norm = sync.clip_grad_norm_(m.optimizer.grad_clip or float("inf"))
     lr = sync.optimizer.param_groups[0]["lr"]
     loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
@@ -174,7 +141,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     m = run.manifest
     memory = RunMemory.start(run, info.rank, device)  # logging.memory: tensors, from before the model is built
     layout = run.layout
-    mesh = build_mesh(layout, device)
+    mesh = build_mesh(layout.sizes, device)
     torch.manual_seed(m.train.seed)
     parts = build_parts(run, mesh, device)  # the model, and under pp this rank's stage modules
     model = parts.model

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.manifest.schema import LauncherKind, Manifest, Sharding
-from trainer.parallel.layout import Layout
+from trainer.manifest.layout import Layout
 
 
 class Unresolvable(ValueError):

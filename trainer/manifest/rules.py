@@ -70,26 +70,12 @@ def batch_arithmetic(m: Manifest) -> Iterator[Finding]:
 
 
 @rule
-def heads_split_over_tp(m: Manifest) -> Iterator[Finding]:
-    tp = m.parallel.tp
-    if m.model.heads % tp:
-        yield Finding("parallel.tp", f"{tp} does not divide model.heads ({m.model.heads}); use {_divisors(m.model.heads)}")
-    elif m.model.n_kv_heads % tp:
-        yield Finding(
-            "parallel.tp",
-            f"{tp} does not divide model.kv_heads ({m.model.n_kv_heads}); use {_divisors(m.model.n_kv_heads)}",
-        )
-
-
-@rule
 def tensor_parallel_splits(m: Manifest) -> Iterator[Finding]:
     tp = m.parallel.tp
     if tp == 1:
         return
     if m.model.vocab % tp:
         yield Finding("model.vocab", f"{m.model.vocab} does not split over tp = {tp} (vocab-parallel embedding and head); pad the vocab to a multiple of {tp}")
-    if m.model.ffn_dim % tp:
-        yield Finding("model.ffn_dim", f"{m.model.ffn_dim} does not split over tp = {tp}; use a multiple of {tp}")
 
 
 @rule
@@ -120,10 +106,6 @@ def context_parallel_splits(m: Manifest) -> Iterator[Finding]:
     elif p.sequence_parallel and (seq // p.cp) % p.tp:
         yield Finding("parallel.sequence_parallel", f"a cp rank's {seq // p.cp} tokens do not split over tp ({p.tp}); "
                       f"use a seq_len that is a multiple of cp·tp = {p.cp * p.tp}")
-    if p.cp_kind.value == "ulysses" and m.model.heads % (p.tp * p.cp):
-        per_tp = m.model.heads // p.tp if m.model.heads % p.tp == 0 else m.model.heads
-        yield Finding("parallel.cp", f"Ulysses shards heads over tp·cp = {p.tp * p.cp}, which does not divide "
-                      f"model.heads ({m.model.heads}); use a cp that divides {per_tp}, or cp_kind: ring")
 
 
 @rule
@@ -286,6 +268,8 @@ def model_plugin(m: Manifest) -> Iterator[Finding]:
         return
     for field, message in spec.check(m.model):
         yield Finding(f"model.{field}", message)
+    for field, message in spec.check_parallel(m.model, m.parallel):  # e.g. heads over tp: the kind's own shapes
+        yield Finding(field, message)
 
 
 def _about_a_file(data, field: str) -> bool:

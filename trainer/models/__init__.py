@@ -1,54 +1,94 @@
 """Model specs and the model registry (torch-free: `mantra validate` imports it).
 
-A `ModelSpec` ties one model kind together, torchtitan-style: its cross-field
-checks, how to build it (on the meta device), how to initialise it, its
-parameter and FLOP counts, and later how to parallelize it. The trainer sees
-only the spec:
+A `ModelSpec` is everything one model kind brings, in the kind's own package
+(torchtitan's TrainSpec): the pydantic class of its `model:` section, how to
+build, initialise and parallelize it, its loss, how a pipeline cuts it, the
+numbers `mantra plan` needs, and its Hugging Face mapping. The trainer, the
+planner and the exporter see only the spec:
 
     spec = get_model_spec(manifest.model.kind)
     with torch.device("meta"):
         model = spec.build(manifest.model)
-    model.to_empty(device="cpu")
-    spec.init_weights(model, manifest.train.seed)
+    parts = spec.parallelize(model, run, mesh, device)     # a trainer.parallel.parts.ModelParts
+    parts.model.to_empty(device="cpu")
+    spec.init_weights(parts.model, manifest.train.seed)
+    loss = spec.loss(logits, targets)
 
 Third-party kinds register through the `mantra.models` entry-point group,
 pointing either at a ModelSpec (registered under the entry point's name) or at
-a module that calls `register_model` when imported.
+a module that calls `register_model` when imported. Adding a kind is a new
+package and one entry point: no file of mantra changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainer.parallel.names import canonical_name  # noqa: F401  re-exported: model kinds seed by it
 from trainer.registry import Registry
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-    from trainer.manifest.schema import ModelSection
+    from trainer.manifest.schema import ModelSection, ParallelSection
 
-Issue = tuple[str, str]
-
-# Wrappers that insert themselves into FQNs (activation checkpointing, torch.compile, FSDP1).
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+Issue = tuple[str, str]  # (field inside the model section, lowercase message with a fix)
 
 
-def canonical_name(fqn: str) -> str:
-    """The FQN without wrapper parts: what seeds a parameter's init and names it in checkpoints."""
-    for part in _WRAPPER_PARTS:
-        fqn = fqn.replace(part, "")
-    return fqn  # (field inside the model section, lowercase message with a fix)
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The default loss: mean token cross-entropy of logits [B, S, V] (any dtype: taken in fp32)
+    against targets [B, S]. Under tensor parallel the caller wraps it in the vocab-parallel context."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _no_parallel_issues(cfg: ModelSection, parallel: ParallelSection) -> list[Issue]:
+    return []
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How a pipeline cuts the kind into stages (its blocks are the ModuleDict `ModelSpec.layer_prefix`).
+
+    keep_stages(model, stage_layout, pp_rank, layers_per_stage): delete from a (meta) model what pipeline
+        rank pp_rank's stages do not run (what its parallelize does); `mantra dry-run` counts what remains.
+    activation_shape(cfg, micro_batch, seq_len, tp, sequence_parallel): the tensor crossing a stage
+        boundary on one rank (seq_len is this rank's: / cp under context parallel).
+    """
+
+    keep_stages: Callable[..., None]
+    activation_shape: Callable[..., tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """The kind's Hugging Face counterpart (`mantra export --to hf`, and back).
+
+    config(cfg): the config.json dict (architectures, model_type and the shape).
+    to_hf(state_dict, cfg): our whole-model state dict under HF's names (a tied head left out).
+    from_hf(hf_state_dict, hf_config): (the `model:` section as a dict, our state dict); None if not mapped.
+    """
+
+    config: Callable[[Any], dict[str, Any]]
+    to_hf: Callable[[Mapping[str, Any], Any], dict[str, Any]]
+    from_hf: Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything the trainer needs to know about one model kind."""
+    """Everything the trainer, the planner and the exporter need to know about one model kind."""
 
     name: str
     description: str
-    # Cross-field checks, torch-free: e.g. [("kv_heads", "5 does not divide heads (12); use 1, 2, 3, 4, 6 or 12")].
+    # The `model:` section's pydantic class (a trainer.manifest.schema.ModelSection with kind: Literal[name]);
+    # torch-free. `mantra validate` checks the section against it, and `mantra schema` lists every kind's.
+    config: type
+    # Cross-field checks of the section alone, torch-free:
+    # e.g. [("kv_heads", "5 does not divide heads (12); use 1, 2, 3, 4, 6 or 12")].
     check: Callable[[ModelSection], list[Issue]]
     # Builds the full, unsharded model; imports torch lazily. The trainer calls it under torch.device("meta").
     build: Callable[[ModelSection], nn.Module]
@@ -58,17 +98,37 @@ class ModelSpec:
     num_params: Callable[[ModelSection], int]
     # Parameters of the input embedding only. Torch-free.
     num_embedding_params: Callable[[ModelSection], int]
-    # Training FLOPs per token (forward + backward), PaLM/torchtitan convention. Torch-free.
+    # Training FLOPs per token (forward + backward), PaLM/torchtitan convention, over the parameters a token
+    # uses (an MoE counts its active experts). Torch-free.
     flops_per_token: Callable[[ModelSection], float]
+    # Checks of the section against the parallel degrees (e.g. heads % tp), torch-free; the field names are
+    # full manifest paths: [("parallel.tp", "3 does not divide model.heads (32); use 1, 2, 4 or 8")].
+    check_parallel: Callable[[ModelSection, ParallelSection], list[Issue]] = _no_parallel_issues
     # parallelize(model, run, mesh, device) -> trainer.parallel.parts.ModelParts, on the meta device: applies tp,
     # cp, the pipeline split, recompute, compile and zero3 in the kind's order and returns the model with this
     # rank's pipeline stage modules and tied weight (None: the model runs as built, on one rank or dp).
     parallelize: Callable[..., Any] | None = None
+    # loss(logits, targets) -> the scalar each microbatch backpropagates (mean over its tokens). Auxiliary
+    # terms a kind adds inside its forward (an MoE's balance loss) reach the gradient there; their values are
+    # reported through `metrics`.
+    loss: Callable[[Any, Any], Any] = cross_entropy
+    # metrics(parts, mesh) -> {key: value} the kind adds to every logged step (a collective: every rank calls
+    # it at the log steps); None: nothing beyond the trainer's keys.
+    metrics: Callable[[Any, Any], dict[str, Any]] | None = None
+    # after_step(parts, mesh): runs on every rank after each optimizer step that was applied (an MoE's
+    # routing-bias update); None: nothing.
+    after_step: Callable[[Any, Any], None] | None = None
     # Attribute holding the blocks (a ModuleDict keyed "0".."N-1"), for pipeline splitting.
     layer_prefix: str = "layers"
-    # keep_stages(model, stage_layout, pp_rank, layers_per_stage): delete from a (meta) model what pipeline rank
-    # pp_rank's stages do not run, as its parallelize does; `mantra dry-run` counts what remains.
-    keep_stages: Callable[..., None] | None = None
+    # How a pipeline cuts it (None: pp > 1 is refused for the kind).
+    pipeline: PipelineSpec | None = None
+    # plan(cfg) -> trainer.plan.model.PlanModel: parameters, shapes and memory coefficients for `mantra plan`
+    # (torch-free); None: `mantra plan` says the kind has no plan model.
+    plan: Callable[[ModelSection], Any] | None = None
+    # The Hugging Face mapping (None: `mantra export --to hf` says the kind has none).
+    hf: HFMapping | None = None
+    # Parameters one token runs through (an MoE's top-k experts, not all); default num_params. Torch-free.
+    num_active_params: Callable[[ModelSection], int] | None = None
 
 
 MODELS: Registry[ModelSpec] = Registry("model kind", entry_point_group="mantra.models", item_type=ModelSpec)
@@ -95,7 +155,7 @@ def register_model(name: str) -> Callable[[Any], Any]:
 
 
 def _import_builtins() -> None:
-    import trainer.models.llama  # noqa: F401  the built-in registers itself on import
+    import trainer.models.llama  # noqa: F401  the built-ins register themselves on import
 
 
 def get_model_spec(kind: str) -> ModelSpec:

@@ -1,6 +1,6 @@
 """The device mesh every parallel feature takes its process groups from.
 
-Dimensions and order come from `layout.py` (pp, dp_replicate, dp_shard, cp,
+Dimensions and order are the caller's (trainer/manifest/layout.py: pp, dp_replicate, dp_shard, cp,
 tp; tp innermost). `mesh["dp"]` is the flattened data-parallel group
 (replicate × shard) that data loading uses. The cp ranks of a dp rank hold the same
 parameters and see other tokens of the same samples, so for gradients they count as
@@ -12,6 +12,9 @@ One rank gets no mesh: nothing to communicate.
 
 from __future__ import annotations
 
+import math
+
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer import compat
-from trainer.parallel.layout import DIM_NAMES, Layout
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,22 @@ class ParallelMesh:
             return getattr(self, names)
         return self.root[names]
 
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What zero3 shards parameters over: dp_shard × cp, or (dp_replicate, dp_shard × cp) for HSDP."""
+        if self.root["dp_replicate"].size() == 1:
+            return self.dp_shard_cp
+        shard = "dp_shard_cp" if self.root["cp"].size() > 1 else "dp_shard"
+        return self.root["dp_replicate", shard]
 
-def build_mesh(layout: Layout, device: torch.device) -> ParallelMesh | None:
-    if layout.world_size == 1:
+
+def build_mesh(sizes: Mapping[str, int], device: torch.device) -> ParallelMesh | None:
+    """The mesh of `sizes` ({dimension: degree}, outermost first; it must name pp, dp_replicate, dp_shard,
+    cp and tp), None for one rank."""
+    if math.prod(sizes.values()) == 1:
         return None
-    root = init_device_mesh(device.type, layout.shape, mesh_dim_names=DIM_NAMES)
+    root = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     dp = compat.flatten_mesh(root["dp_replicate", "dp_shard"], "dp")
-    if layout.cp == 1:  # no new process groups: the same ranks
+    if sizes["cp"] == 1:  # no new process groups: the same ranks
         return ParallelMesh(root=root, dp=dp, dp_cp=dp, dp_shard_cp=root["dp_shard"])
     return ParallelMesh(root=root, dp=dp, dp_cp=compat.flatten_mesh(root["dp_replicate", "dp_shard", "cp"], "dp_cp"),
                         dp_shard_cp=compat.flatten_mesh(root["dp_shard", "cp"], "dp_shard_cp"))

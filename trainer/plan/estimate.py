@@ -199,7 +199,7 @@ class _Cut(NamedTuple):
 
 
 def _cut(run: Resolved, device: Device) -> _Cut:
-    from trainer.parallel.pipeline.balance import stage_counts
+    from trainer.plan.split import stage_counts
 
     cfg, p = run.manifest.model, run.manifest.parallel
     if cfg.kind != "llama":

@@ -240,7 +240,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
         gather = ring_time(max(x.stage_params) * 4, x.dp_shard, shard_bw, "all_gather")
         exposed = max(reduce - bwd_last, 0.0) + reduce * x.bucket_share + gather
     elif x.sharding == "zero3" and x.pp > 1:
-        # trainer/parallel/fsdp.py under pp: a stage gathers once, at its first forward (one block's gather
+        # trainer/parallel/data/fsdp.py under pp: a stage gathers once, at its first forward (one block's gather
         # exposed, the rest prefetched), and reduce-scatters once right after its final W/BW: with one chunk
         # per rank that is the rank's last pass, so all of it is exposed (with several chunks the earlier
         # chunks' reductions overlap the rest; counted exposed all the same: an upper bound)

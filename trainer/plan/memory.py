@@ -15,13 +15,13 @@ adds, per microbatch in flight, a bf16 copy of each weight matrix it multiplies
 (2 B per block/head parameter, from the layer's forward to its backward); zero3
 instead gathers bf16 parameters (FSDP2's MixedPrecisionPolicy) one block at a time.
 Tensor parallel divides the matrices by t (norm weights stay whole). Gradients of
-none/zero1 live in padded fp32 buckets (trainer/parallel/buckets.py), zero2 keeps the
+none/zero1 live in padded fp32 buckets (trainer/parallel/data/buckets.py), zero2 keeps the
 owned 1/d shard and one bucket on demand, zero3 accumulates unsharded gradients over
 the microbatches that skip the reduce-scatter; one rank alone (dp = 1) keeps plain
 `.grad`s. SGD (no momentum) has no state. The foreach AdamW of a CPU needs one
 temporary the size of the decayed parameters (√v); the fused CUDA kernel none.
 
-zero3 with a pipeline (pp > 1, trainer/parallel/fsdp.py, as torch.distributed.pipelining and
+zero3 with a pipeline (pp > 1, trainer/parallel/data/fsdp.py, as torch.distributed.pipelining and
 torchtitan do it) gathers each stage's parameters at its first forward of the step and keeps them
 whole, lets gradients accumulate whole, and reduce-scatters them after the stage's last backward:
 during the step a rank holds its stages' whole parameters (param dtype: bf16 under bf16, else fp32,
@@ -67,7 +67,7 @@ def megatron_bytes_per_param(d: int, distributed_optimizer: bool) -> float:
 def zero_paper_bytes_per_param(stage: int, d: int, k: int = 12) -> float:
     """ZeRO (Rajbhandari et al. 2020), mixed-precision Adam with K = 12 bytes of optimizer state:
     stage 0 (2 + 2 + K), 1 (P_os) 2 + 2 + K/N_d, 2 (P_os+g) 2 + (2 + K)/N_d, 3 (P_os+g+p) (2 + 2 + K)/N_d."""
-    return {0: 2 + 2 + k, 1: 2 + 2 + k / d, 2: 2 + (2 + k) / d, 3: (2 + 2 + k) / d}[stage]  # trainer.parallel.buckets.MAX_IN_FLIGHT: reduce-scatters holding temporaries
+    return {0: 2 + 2 + k, 1: 2 + 2 + k / d, 2: 2 + (2 + k) / d, 3: (2 + 2 + k) / d}[stage]  # trainer.parallel.data.buckets.MAX_IN_FLIGHT: reduce-scatters holding temporaries
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def schedule_options(run) -> Options:
     same lists. zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
     the last; no communication: device-free, so every machine generates the same schedule) and
     parallel.max_inflight (default pp); parallel.schedule_costs instead of the FLOP model where given."""
-    from trainer.parallel.pipeline.balance import stage_counts
+    from trainer.plan.split import stage_counts
     from trainer.parallel.pipeline.schedules import SCHEDULES
     from trainer.plan.flops import block_pass_flops, head_pass_flops
 

@@ -32,7 +32,7 @@ from trainer.manifest.rules import check
 from trainer.manifest.schema import LauncherKind
 from trainer.manifest.source import SourceTree, apply_override, load_source
 from trainer.manifest.validate import validate_schema
-from trainer.parallel.pipeline.balance import stage_counts
+from trainer.plan.split import stage_counts
 from trainer.plan.devices import Device, get_device, usable_bytes
 from trainer.plan.estimate import Estimate, estimate, fits_memory
 

@@ -2,7 +2,7 @@
 
     params = llama_params(cfg)                      # registration order, as model.named_parameters()
     local_numel(p, tp=2)                            # what one tensor-parallel rank holds
-    plan_buckets([...], bucket_elems, shards)       # trainer.parallel.buckets' packing, same arithmetic
+    plan_buckets([...], bucket_elems, shards)       # trainer.parallel.data.buckets' packing, same arithmetic
 
 Tensor parallel (trainer/models/llama/parallelize.py): wq/wk/wv/w1/w3 and the
 output head are column-wise (dim 0 sharded), wo/w2 row-wise (dim 1), the
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from trainer.manifest.schema import ModelSection
 
-ALIGN = 16  # trainer.parallel.buckets.ALIGN: elements per shard quantum
+ALIGN = 16  # trainer.parallel.data.buckets.ALIGN: elements per shard quantum
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class BucketPlan:
 
 
 def plan_buckets(numels: list[int], bucket_elems: int, shards: int, align: int = ALIGN) -> BucketPlan:
-    """trainer.parallel.buckets.plan_buckets' packing (greedy, in the order given; a parameter larger than
+    """trainer.parallel.data.buckets.plan_buckets' packing (greedy, in the order given; a parameter larger than
     a bucket gets one to itself; each bucket padded to a multiple of align * shards). A test checks both agree."""
     groups: list[int] = []
     total = 0

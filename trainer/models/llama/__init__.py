@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.models import ModelSpec, register_model
-from trainer.models.llama import config
+from trainer.manifest.schema import ModelSection
+from trainer.models import HFMapping, ModelSpec, PipelineSpec, register_model
+from trainer.models.llama import config, hf
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainer.manifest.schema import ModelSection
     from trainer.parallel.parts import ModelParts
 
 
@@ -41,17 +41,26 @@ def keep_stages(model: nn.Module, layout, pp_rank: int, split: list[list[int]]) 
     keep(model, layout, pp_rank, split)
 
 
+def activation_shape(cfg: ModelSection, micro_batch: int, seq_len: int, tp: int,
+                     sequence_parallel: bool) -> tuple[int, int, int]:
+    """The hidden state crossing a stage boundary: [micro_batch, seq (/tp under SP), dim]."""
+    return (micro_batch, seq_len // tp if sequence_parallel else seq_len, cfg.dim)
+
+
 @register_model("llama")
 def llama_spec() -> ModelSpec:
     return ModelSpec(
         name="llama",
         description="Llama decoder: GQA, RoPE, RMSNorm, SwiGLU, optional tied embeddings",
+        config=ModelSection,
         check=config.check,
+        check_parallel=config.check_parallel,
         build=build,
         init_weights=init_weights,
         num_params=config.num_params,
         num_embedding_params=config.num_embedding_params,
         flops_per_token=config.flops_per_token,
         parallelize=parallelize,
-        keep_stages=keep_stages,
+        pipeline=PipelineSpec(keep_stages=keep_stages, activation_shape=activation_shape),
+        hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict),
     )

@@ -30,6 +30,23 @@ def check(cfg: ModelSection) -> list[tuple[str, str]]:
     return issues
 
 
+def check_parallel(cfg: ModelSection, p) -> list[tuple[str, str]]:
+    """What the parallel degrees must divide (`p`: the parallel section), as (manifest field, message)."""
+    issues: list[tuple[str, str]] = []
+    if cfg.heads % p.tp:
+        issues.append(("parallel.tp", f"{p.tp} does not divide model.heads ({cfg.heads}); use {_divisors(cfg.heads)}"))
+    elif cfg.n_kv_heads % p.tp:
+        issues.append(("parallel.tp", f"{p.tp} does not divide model.kv_heads ({cfg.n_kv_heads}); "
+                       f"use {_divisors(cfg.n_kv_heads)}"))
+    if p.tp > 1 and cfg.ffn_dim % p.tp:
+        issues.append(("model.ffn_dim", f"{cfg.ffn_dim} does not split over tp = {p.tp}; use a multiple of {p.tp}"))
+    if p.cp > 1 and p.cp_kind.value == "ulysses" and cfg.heads % (p.tp * p.cp):
+        per_tp = cfg.heads // p.tp if cfg.heads % p.tp == 0 else cfg.heads
+        issues.append(("parallel.cp", f"Ulysses shards heads over tp·cp = {p.tp * p.cp}, which does not divide "
+                       f"model.heads ({cfg.heads}); use a cp that divides {per_tp}, or cp_kind: ring"))
+    return issues
+
+
 def head_dim(cfg: ModelSection) -> int:
     return cfg.dim // cfg.heads
 

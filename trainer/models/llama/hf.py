@@ -7,6 +7,7 @@ row permutation; we do not). Only the names change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -48,13 +49,26 @@ def hf_config_kwargs(cfg: ModelSection) -> dict[str, Any]:
     }
 
 
-def to_hf_state_dict(model: nn.Module, cfg: ModelSection) -> dict[str, torch.Tensor]:
-    """Our (unsharded) state dict under LlamaForCausalLM's names.
+def hf_config(cfg: ModelSection) -> dict[str, Any]:
+    """config.json of the same model as LlamaForCausalLM."""
+    return hf_config_kwargs(cfg) | {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "float32",
+        "rope_theta": cfg.rope_theta,  # older transformers read it here, newer from rope_parameters
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+
+
+def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: ModelSection) -> dict[str, torch.Tensor]:
+    """Our (unsharded) state dict, or a model's, under LlamaForCausalLM's names.
 
     With tied embeddings `lm_head.weight` is the embedding tensor itself, as in
-    HF's own state_dict. Tensors are shared, not copied.
+    HF's own state_dict (the exporter leaves it out: transformers re-ties it).
+    Tensors are shared, not copied.
     """
-    ours = model.state_dict()
+    ours = model if isinstance(model, Mapping) else model.state_dict()
     hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": ours["tok_embeddings.weight"]}
     for i in range(cfg.layers):
         for our_name, hf_name in _BLOCK_NAMES.items():

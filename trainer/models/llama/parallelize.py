@@ -6,7 +6,7 @@
 Runs on the meta device, before the weights exist; the trainer materializes and
 initialises afterwards (each rank draws the full tensor and keeps its shard).
 none / zero1 / zero2 need no change to the model: their gradient hooks are
-installed by trainer.parallel.data.build_grad_sync. Context parallel only swaps
+installed by trainer.assemble.build_grad_sync. Context parallel only swaps
 each block's attention core (parameter-free) for a Ulysses or ring one; the loop
 hands the model this cp rank's tokens and their RoPE positions.
 """
@@ -51,9 +51,12 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
 
         parts = build_stages(model, run, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:
-        from trainer.parallel.fsdp import apply_fsdp
+        from trainer.parallel.data.fsdp import apply_fsdp
+        from trainer.precision import compute_dtype, reduce_dtype
 
-        apply_fsdp(model, mesh, run, device, parts.stages)
+        roots = list(parts.stages.values()) if parts.stages is not None else [model]
+        apply_fsdp(model.layers.values(), roots, mesh.fsdp_mesh(), param_dtype=compute_dtype(run, device),
+                   reduce_dtype=reduce_dtype(run), reshard_after_forward=parts.stages is None)
     return parts
 
 

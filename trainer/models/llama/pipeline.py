@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer.models.llama.model import TiedHead, rope_at
 from trainer.parallel.parts import ModelParts
-from trainer.parallel.pipeline.split import layout_for
+from trainer.plan.split import layout_for
 from trainer.parallel.pipeline.stages import StageLayout
 
 

@@ -7,8 +7,9 @@
     >>> balance(8, StageLayout(2), ChunkCosts(block=1.0, head=2.0))  # the head weighs two blocks
     (5, 3)
 
-`stage_counts(run)` is the one answer the runtime (split.layout_for), `mantra dry-run` and
-`mantra plan` all read, so the three show the same split. Torch-free.
+Model-free and manifest-free: the run's counts, with each chunk's cost from the plan's FLOP model,
+come from trainer/plan/split.py (`stage_counts(run)`, which the runtime, `mantra dry-run` and
+`mantra plan` all read). Torch-free.
 
 What a virtual stage (chunk) costs, per token, forward + backward (trainer/plan/flops.py):
 
@@ -41,17 +42,11 @@ rank r holds pp - r microbatches of activations, so later ranks have memory to s
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from trainer.parallel.pipeline.stages import StageLayout
-
-if TYPE_CHECKING:
-    from trainer.manifest import Resolved
-    from trainer.manifest.schema import ModelSection, ParallelSection
 
 BALANCED = "balanced"
 
@@ -71,14 +66,6 @@ class ChunkCosts:
 
     def extra(self, stage: int, num_stages: int) -> float:
         return (self.embed if stage == 0 else 0.0) + (self.head if stage == num_stages - 1 else 0.0)
-
-
-def costs_for(cfg: ModelSection, recompute: str = "none", split_backward: bool = False) -> ChunkCosts:
-    """The plan's FLOP model (trainer/plan/flops.py) for one token, forward + backward (module docstring)."""
-    from trainer.plan.flops import block_pass_flops, head_pass_flops
-
-    block = block_pass_flops(cfg, recompute, split_backward).total
-    return ChunkCosts(block=block, embed=0.0, head=head_pass_flops(cfg).total)
 
 
 def chunk_loads(counts: Sequence[int], costs: ChunkCosts) -> list[float]:
@@ -143,64 +130,9 @@ def balance(layers: int, layout: StageLayout, costs: ChunkCosts,
     return early if judge(early) < judge(late) * (1 - 1e-9) else late
 
 
-def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: ModelSection,
-                   recompute: str = "none") -> Callable[[Sequence[int]], float]:
-    """A judge for `balance`: the makespan of one step of `schedule` (the simulator, no communication)
-    with each stage's F, B and W from the plan's FLOP model (trainer/plan/flops.py)."""
-    from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
-    from trainer.parallel.pipeline.simulate import Costs, simulate_ranks
-    from trainer.plan.flops import block_pass_flops, head_pass_flops
-
-    blk, head = block_pass_flops(cfg, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(cfg)
-    lists = compute_order(schedule, layout.pp, microbatches, layout.virtual_stages)
-
-    def makespan(counts: Sequence[int]) -> float:
-        last = len(counts) - 1
-        per = [[c * getattr(blk, k) + (getattr(head, k) if s == last else 0.0) for s, c in enumerate(counts)]
-               for k in ("f", "b", "w")]
-        return simulate_ranks(lists, layout, Costs(f=per[0], b=per[1], w=per[2])).makespan
-
-    return makespan
-
-
-def layout_of(p: ParallelSection) -> StageLayout:
-    """The stage placement of the manifest's schedule (loop, or zb-v's V)."""
-    from trainer.parallel.pipeline.schedules import SCHEDULES
-
-    return StageLayout(p.pp, p.virtual_stages, SCHEDULES.get(p.schedule.value).style)
-
-
 def uniform(layers: int, num_stages: int) -> tuple[int, ...]:
     if layers % num_stages:
         raise ValueError(f"{layers} layers do not split evenly over {num_stages} stages; set stage_layers (balanced or a list)")
     return (layers // num_stages,) * num_stages
 
 
-def balanced_counts(run: Resolved) -> tuple[int, ...]:
-    """What `stage_layers: balanced` chooses for this run (whatever its manifest says)."""
-    m = run.manifest
-    p = m.parallel
-    # the two candidates share their slowest rank and differ in the ramp up and down, which 2·pp microbatches show
-    # as well as many (and the simulator's cost grows with them): the judge runs at most 2·pp
-    return _balanced(m.model, p.pp, p.virtual_stages, p.schedule.value, min(run.batch.microbatches, 2 * p.pp),
-                     m.train.activation_checkpointing.value)
-
-
-@functools.lru_cache(maxsize=1024)  # `mantra plan --search` asks again for every tp, dp and sharding
-def _balanced(cfg: ModelSection, pp: int, v: int, schedule: str, microbatches: int, recompute: str) -> tuple[int, ...]:
-    from trainer.parallel.pipeline.schedules import SCHEDULES
-
-    spec = SCHEDULES.get(schedule)
-    layout = StageLayout(pp, v, spec.style)
-    judge = simulated_step(schedule, layout, microbatches, cfg, recompute) if pp > 1 else None
-    return balance(cfg.layers, layout, costs_for(cfg, recompute, spec.split_backward and pp > 1), judge)
-
-
-def stage_counts(run: Resolved) -> tuple[int, ...]:
-    """Layers of each virtual stage the run asks for: uniform (null), the list given, or balanced."""
-    p, cfg = run.manifest.parallel, run.manifest.model
-    if p.stage_layers == BALANCED:
-        return balanced_counts(run)
-    if p.stage_layers is not None:
-        return tuple(p.stage_layers)
-    return uniform(cfg.layers, p.pp * p.virtual_stages)

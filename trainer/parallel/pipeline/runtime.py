@@ -1,10 +1,10 @@
 """Pipeline parallelism on real ranks: the object the training loop calls once per step.
 
-    pipeline = build_pipeline(parts, sync, run, mesh, device)   # next to the model
+    pipeline = Pipeline(stages, sync, schedule, pp_group, pp_rank, device, shape, loss_fn)
     loss = pipeline.step(microbatches, autocast)                # instead of train_step
 
-`parts` is this rank's part of the model and its stage modules (split.py cut it before init);
-`step` runs the generated action list of this pipeline rank (executor.py),
+trainer/assemble.py builds it from the manifest. `stages` are this rank's stage modules (the model
+kind cut the model before init, trainer/models/llama/pipeline.py); `step` runs the generated action list of this pipeline rank (executor.py),
 waits for the data-parallel reductions, and returns the mean loss over the
 microbatches, broadcast from the last stage so every pipeline rank returns it.
 
@@ -33,7 +33,7 @@ and each stage reduce-scatters once, right after its final W/BW (fsdp.py).
 
 Global gradient norm: pipeline ranks hold disjoint parameters, so each rank's
 sum of squares (exact over tp/fsdp shards) is summed over the pp group
-(`PipelineLocalSync` here; BucketSync does the same itself). The one shared
+(`PipelineLocalSync` in trainer/parallel/data/sync.py; BucketSync does the same itself). The one shared
 weight, a tied embedding's copy on the last stage, is left out (tied.py).
 """
 
@@ -41,102 +41,57 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from trainer.parallel.buckets import local_tensor
-from trainer.parallel.clip import clip_grad_norm_, grad_sq, scale_grads_
-from trainer.parallel.data import LocalSync
-from trainer.parallel.fsdp import FSDPSync
-from trainer.parallel.parts import ModelParts
+from trainer.parallel.data.fsdp import FSDPSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
 from trainer.parallel.pipeline.profile import StageProfile
-from trainer.parallel.pipeline.schedules import build_schedule
-from trainer.parallel.pipeline.split import activation_shape, cross_entropy, layout_for
-from trainer.parallel.pipeline.tied import TiedWeights
+from trainer.parallel.pipeline.actions import Schedule
 from trainer.parallel.pipeline.validation import prefix, replays
-from trainer.parallel.tensor import loss_context
 
 log = logging.getLogger(__name__)
-
-
-class PipelineLocalSync(LocalSync):
-    """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline
-    stages, and which sums the gradients of a tied weight's two copies (tied.py)."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup,
-                 tie: TiedWeights | None = None):
-        super().__init__(model, optimizer)
-        self.pp_group = pp_group
-        self.tie = tie
-
-    def finish_backward(self) -> None:
-        super().finish_backward()
-        if self.tie is not None:
-            self.tie.sum_([local_tensor(p.grad) for p in self.tie.params])
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
-        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,), uncounted=uncounted)
-
-    # -- post-validation (post_validation.py): the same norm, in two halves ---------------------------
-    def stage_norm_sq(self) -> torch.Tensor:
-        """This stage's squared gradient norm, complete over tp; the pipeline sum comes later."""
-        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
-        return grad_sq([p for p in self.params if not any(p is q for q in uncounted)])
-
-    def norm_of(self, sq: torch.Tensor) -> torch.Tensor:
-        return sq.sqrt()
-
-    def scale_grads(self, coef: torch.Tensor) -> None:
-        scale_grads_(self.params, coef)
-
-    def rollback_tensors(self) -> list[torch.Tensor]:
-        return list(self.params)
 
 
 class Pipeline:
     """This rank's stages, its action list and the gradient-sync policy (module docstring)."""
 
-    def __init__(self, parts: ModelParts, sync, run, mesh, device: torch.device,
+    def __init__(self, stages: Mapping[int, torch.nn.Module], sync, schedule: Schedule, pp_group: dist.ProcessGroup,
+                 pp_rank: int, device: torch.device, activation_shape: tuple[int, ...],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, *,
+                 post_validation: bool = False, profile: StageProfile | None = None, profile_dir: Path | None = None,
                  cost: Mapping[Kind, float] | None = None) -> None:
-        m, p = run.manifest, run.manifest.parallel
-        from trainer.plan.schedule import schedule_options  # zb-auto's costs: the same `mantra plan` uses
-
-        self.schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages,
-                                       **dict(schedule_options(run)))
-        layout, _ = layout_for(run)
-        pp_mesh = mesh["pp"]
-        self.pp_rank, self.group, self.device = pp_mesh.get_local_rank(), pp_mesh.get_group(), device
-        # the model kind's parallelize built them (over its wrapped blocks; FSDP roots under zero3)
-        if parts.stages is None:
-            raise ValueError(f"model.kind {m.model.kind}: its parallelize returned no pipeline stages for pp {p.pp} "
-                             "(trainer.parallel.pipeline.split.build_stages makes them)")
-        self.stages = dict(parts.stages)
-        # a cp rank's stages carry its seq_len/cp tokens (the loop slices them, see `step`)
-        shape = activation_shape(run.batch.micro_batch, m.model.seq_len // p.cp, m.model.dim, p.tp, p.sequence_parallel)
+        """`stages`: this rank's virtual stage modules by index (the model kind builds them); `schedule` the
+        generated action lists of every rank; `activation_shape` what crosses a stage boundary on this rank;
+        `loss_fn(output, targets)` the last stage's loss of one microbatch, taken inside `loss_context()`;
+        `post_validation`: steps overlap (the loop checks each during the next, post_validation.py);
+        `profile` (logging.profile_pipeline) collects per-stage F/B/W times and writes them under
+        `profile_dir` at each report (profile_dir None: another replica writes); `cost`: injected seconds per
+        action kind (bench/)."""
+        self.schedule, layout = schedule, schedule.layout
+        self.pp_rank, self.group, self.device = pp_rank, pp_group, device
+        self.stages = dict(stages)
         actions = self.schedule.ranks[self.pp_rank]
         self.executor = Executor(
             actions, self.stages, layout, self.pp_rank, self.group, device,
-            shape, torch.float32, run.batch.microbatches, cross_entropy, lambda: loss_context(p.tp), cost,
+            activation_shape, torch.float32, schedule.microbatches, loss_fn, loss_context, cost,
             replay=replays(self.schedule.ranks, layout)[self.pp_rank], point=prefix(actions, layout, self.pp_rank).point,
         )
         self.sync = sync
         self.loss_rank = layout.rank_of(layout.num_stages - 1)
         dist.barrier(group=self.group)  # NCCL wants every rank of a group in its first call, before any p2p
         self.fsdp = isinstance(sync, FSDPSync)  # zero3: FSDP reduces once, after the step (fsdp.py)
-        self.post_validation = p.post_validated  # steps overlap; the loop checks each during the next
+        self.post_validation = post_validation
         self.last: StepTiming | None = None
         self._window: list[float] = [0.0, 0.0, 0.0]  # busy, span, steps since the last report
         self._last_timing: dict[str, float | None] = {"busy_s": None, "idle_s": None, "bubble": None}
-        # logging.profile_pipeline: per-stage F/B/W times, written at each report (profile.py)
-        self.profile = StageProfile(self.pp_rank) if m.logging.profile_pipeline else None
-        self.run_dir = run.run_dir
-        others = [d for d in mesh.root.mesh_dim_names if d != "pp"]  # one writer per pipeline rank: the first replica
-        self._writes_profile = all(mesh[d].get_local_rank() == 0 for d in others)
+        self.profile, self.run_dir = profile, profile_dir
+        self._writes_profile = profile_dir is not None
 
     # -- the step -------------------------------------------------------------------------------
     def _grad_context(self, action: Action) -> contextlib.AbstractContextManager:
@@ -195,8 +150,3 @@ class Pipeline:
 def _after(fn):
     yield
     fn()
-
-
-def build_pipeline(parts: ModelParts, sync, run, mesh, device: torch.device) -> Pipeline:
-    """The pipeline of this rank (pp > 1 only)."""
-    return Pipeline(parts, sync, run, mesh, device)

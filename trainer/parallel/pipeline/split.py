@@ -6,17 +6,19 @@
 
 What a stage module holds and how it runs is the model kind's (trainer/models/llama/pipeline.py:
 its StageModule and keep_stages); the runtime only calls stage(x) and takes the last stage's
-logits to `cross_entropy`.
+output to the kind's loss. The run's counts (uniform, listed or balanced) are trainer/plan/split.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from trainer.parallel.pipeline.stages import StageLayout
+
+if TYPE_CHECKING:
+    from trainer.parallel.pipeline.balance import ChunkCosts
 
 
 def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | None = None, *,
@@ -24,13 +26,13 @@ def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | N
     """Layer indices of each virtual stage, in model order: [[0, 1], [2, 3], ...].
 
     Uniform unless `explicit` gives the count of each stage (it must sum to `layers`), or is
-    "balanced": then balance.py chooses the counts for `layout` from `costs` (balance.costs_for).
+    "balanced": then balance.py chooses the counts for `layout` from `costs` (trainer.plan.split.costs_for).
     """
     from trainer.parallel.pipeline.balance import BALANCED, balance, uniform
 
     if explicit == BALANCED:
         if layout is None or costs is None or layout.num_stages != num_stages:
-            raise ValueError(f"a balanced split of {num_stages} stages needs their layout and costs (balance.costs_for)")
+            raise ValueError(f"a balanced split of {num_stages} stages needs their layout and costs (trainer.plan.split.costs_for)")
         counts = list(balance(layers, layout, costs))
     else:
         counts = list(explicit) if explicit is not None else list(uniform(layers, num_stages))
@@ -41,24 +43,3 @@ def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | N
         out.append(list(range(start, start + n)))
         start += n
     return out
-
-
-def activation_shape(micro_batch: int, seq_len: int, dim: int, tp: int, sequence_parallel: bool) -> tuple[int, int, int]:
-    """The hidden state crossing a stage boundary on one rank: [micro_batch, seq (/tp under SP), dim]."""
-    return (micro_batch, seq_len // tp if sequence_parallel else seq_len, dim)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The last stage's loss on one microbatch: mean token cross-entropy (as the pp = 1 step)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def layout_for(run) -> tuple[StageLayout, list[list[int]]]:
-    """The stage placement of the manifest's schedule and the layers of each virtual stage: uniform,
-    `parallel.stage_layers` as listed, or balanced (balance.stage_counts, which dry-run and plan read too)."""
-    from trainer.parallel.pipeline.balance import layout_of, stage_counts
-
-    layout = layout_of(run.manifest.parallel)
-    return layout, stage_layers(run.manifest.model.layers, layout.num_stages, stage_counts(run))
-
-

@@ -51,7 +51,7 @@ class TiedWeights:
 def build_tie(embedding: nn.Module, layout, pp_rank: int, world) -> TiedWeights | None:
     """This rank's part in a tie of `embedding` (the module holding the tied weight) between the first and
     the last virtual stage of `layout`; None when it holds neither end. `world`: the rank layout
-    (trainer.parallel.layout.Layout). Creates the holders' process groups: call on every rank, in the
+    (trainer.manifest.layout.Layout). Creates the holders' process groups: call on every rank, in the
     same order."""
     first, last = layout.rank_of(0), layout.rank_of(layout.num_stages - 1)
     group = None

@@ -27,7 +27,7 @@ none 4 + 4 + 8 = 16;  zero1 4 + 4 + 8/d;  zero2 4 + 4/d + 8/d  (zero3, FSDP2: 16
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,9 +36,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer import compat
-from trainer.optim import build_optimizer
-from trainer.parallel import zero_state
-from trainer.parallel.buckets import Bucket, DPGroups, GradReducer
+from trainer.parallel.data import zero_state
+from trainer.parallel.data.buckets import Bucket, DPGroups, GradReducer
 from trainer.parallel.clip import clip_coef
 from trainer.parallel.memory import tensor_bytes
 
@@ -97,24 +96,26 @@ def _stage_scopes(named: list, stages: Mapping | None, tie) -> tuple[dict[int, l
 class BucketSync:
     """GradSync for none / zero1 / zero2 (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, run, mesh, device: torch.device, bucket_bytes: int | None = None,
+    def __init__(self, model: torch.nn.Module, mode: str, mesh, device: torch.device,
+                 make_optimizer: Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer],
+                 bucket_bytes: int = 25 * 2**20, comm_dtype: torch.dtype = torch.float32,
                  stages: Mapping[int, torch.nn.Module] | None = None, tie: TiedWeights | None = None):
-        """`stages`, `tie` (pp > 1): this rank's stage modules, one reducer scope each, and its tied weight's
-        copies (trainer.parallel.parts.ModelParts)."""
-        p = run.manifest.parallel
-        self.mode = p.optimizer_sharding.value
+        """`mode` none | zero1 | zero2; `make_optimizer(named_params)` builds the optimizer (over the whole
+        parameters: its groups are then pointed at this rank's slices); `comm_dtype` the dtype gradients
+        are reduced in. `stages`, `tie` (pp > 1): this rank's stage modules, one reducer scope each, and its
+        tied weight's copies (trainer.parallel.parts.ModelParts)."""
+        self.mode = mode
         self.groups = dp_groups(mesh, self.mode)
         self.tp_group, self.pp_group = _group(mesh, "tp"), _group(mesh, "pp")
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        bucket_bytes = bucket_bytes or int(p.bucket_mb * 2**20)
-        comm = torch.bfloat16 if p.reduce_dtype.value == "bf16" else torch.float32
+        comm = comm_dtype
         self.tie = tie  # tied embeddings across pipeline stages, or None
         scopes, solo = _stage_scopes(named[::-1], stages, self.tie)
         self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
         tied = {id(q) for q in self.tie.params} if self.tie is not None else set()
         self.tied = [i for i, q in enumerate(self.reducer.params) if id(q) in tied]  # reducer indices of this rank's tied copy
         self.slices = self._owned_slices()
-        self.optimizer = build_optimizer(named, run.manifest.optimizer, device)
+        self.optimizer = make_optimizer(named)
         by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
         for group in self.optimizer.param_groups:  # same groups and settings as one process, on the owned slices
             group["params"] = [by_param[id(q)] for q in group["params"] if id(q) in by_param]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer.models import canonical_name
+from trainer.parallel.names import canonical_name
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -11,17 +11,20 @@ The loop drives every optimizer step the same way:
                                            # (or sync.skip_step(): grads zeroed, nothing updated)
 
 Implementations: `LocalSync` (one rank, or gradients already reduced by the
-model's own wrapper), `BucketSync` in zero.py (none / zero1 / zero2: our own
-bucketed reducer), `FSDPSync` in fsdp.py (zero3 through FSDP2).
+model's own wrapper), `PipelineLocalSync` (the same under pp: the norm sums over
+the stages, a tied weight's copies are summed), `BucketSync` in zero.py (none /
+zero1 / zero2: our own bucketed reducer), `FSDPSync` in fsdp.py (zero3 through
+FSDP2). trainer/assemble.py picks one from the manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torch.distributed.checkpoint.state_dict import (
@@ -32,7 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.clip import clip_grad_norm_, grad_sq, scale_grads_
+from trainer.parallel.data.buckets import local_tensor
+
+if TYPE_CHECKING:
+    from trainer.parallel.pipeline.tied import TiedWeights
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -108,30 +115,36 @@ class LocalSync:
         set_optimizer_state_dict(model, self.optimizer, state["optim"], options=_FLAT)
 
 
-def build_grad_sync(parts, run, mesh, device: torch.device) -> GradSync:
-    """Pick the gradient synchronisation (and with it the optimizer) the manifest asks for, for the model
-    and pipeline parts (a trainer.parallel.parts.ModelParts) the model kind's parallelize returned."""
-    from trainer.manifest.schema import Sharding
-    from trainer.optim import build_optimizer
+class PipelineLocalSync(LocalSync):
+    """LocalSync (no data-parallel reduction of ours) whose gradient norm also sums over the pipeline
+    stages, and which sums the gradients of a tied weight's two copies (tied.py)."""
 
-    model = parts.model
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp_group: dist.ProcessGroup,
+                 tie: TiedWeights | None = None):
+        super().__init__(model, optimizer)
+        self.pp_group = pp_group
+        self.tie = tie
 
-    sharding = run.manifest.parallel.optimizer_sharding
-    if mesh is None or run.dp * run.manifest.parallel.cp == 1:  # one data-parallel rank (cp ranks count as dp ranks):
-        # tensor parallel needs no gradient sync of ours
-        optimizer = build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device)
-        if run.manifest.parallel.pp > 1:  # the same, but the gradient norm sums over the pipeline stages
-            from trainer.parallel.pipeline.runtime import PipelineLocalSync
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.tie is not None:
+            self.tie.sum_([local_tensor(p.grad) for p in self.tie.params])
 
-            return PipelineLocalSync(model, optimizer, mesh["pp"].get_group(), parts.tie)
-        return LocalSync(model, optimizer)
-    if sharding == Sharding.zero3:
-        from trainer.parallel.fsdp import FSDPSync
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
+        return clip_grad_norm_(self.params, max_norm, across=(self.pp_group,), uncounted=uncounted)
 
-        optimizer = build_optimizer(list(model.named_parameters()), run.manifest.optimizer, device)
-        if parts.stages is None:
-            return FSDPSync(model, optimizer)
-        return FSDPSync(model, optimizer, stages=parts.stages, pp_group=mesh["pp"].get_group())  # the FSDP roots
-    from trainer.parallel.zero import BucketSync
+    # -- post-validation (post_validation.py): the same norm, in two halves ---------------------------
+    def stage_norm_sq(self) -> torch.Tensor:
+        """This stage's squared gradient norm, complete over tp; the pipeline sum comes later."""
+        uncounted = self.tie.params if self.tie is not None and not self.tie.counted else ()
+        return grad_sq([p for p in self.params if not any(p is q for q in uncounted)])
 
-    return BucketSync(model, run, mesh, device, stages=parts.stages, tie=parts.tie)
+    def norm_of(self, sq: torch.Tensor) -> torch.Tensor:
+        return sq.sqrt()
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        scale_grads_(self.params, coef)
+
+    def rollback_tensors(self) -> list[torch.Tensor]:
+        return list(self.params)

@@ -2,7 +2,7 @@
 
 The order is torchtitan's: tp innermost (neighbouring ranks share a node's
 fast links), then cp, dp_shard, dp_replicate, and pp outermost. The device
-mesh built on the ranks (`mesh.py`) uses exactly this order, so `mantra
+mesh built on the ranks (`trainer/parallel/mesh.py`) uses exactly this order, so `mantra
 dry-run` shows what the run will do.
 
     >>> Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2).coords(5)
@@ -27,6 +27,11 @@ class Layout:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in DIM_NAMES)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """{dimension: degree} in mesh order (trainer.parallel.mesh.build_mesh takes it)."""
+        return dict(zip(DIM_NAMES, self.shape))
 
     @property
     def world_size(self) -> int:

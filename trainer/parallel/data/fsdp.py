@@ -29,7 +29,7 @@ manifest check warns about it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,25 +37,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer import compat
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import LocalSync
+from trainer.parallel.data.sync import LocalSync
 from trainer.parallel.memory import tensor_bytes
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, run, device: torch.device,
-               stages: Mapping[int, torch.nn.Module] | None = None) -> None:
-    """FSDP2 on every block, then on the model, or under pp (`stages`: this rank's stage modules) on each
-    stage module, which keeps its parameters whole for the step (module docstring)."""
-    # context-parallel ranks hold the same parameters: they shard like dp ranks (dp_shard × cp)
-    shard = "dp_shard_cp" if run.manifest.parallel.cp > 1 else "dp_shard"
-    dp_mesh = mesh.root["dp_replicate", shard] if run.dp_replicate > 1 else mesh["dp_shard_cp"]
-    reduce = torch.bfloat16 if run.manifest.parallel.reduce_dtype.value == "bf16" else torch.float32
-    bf16 = run.manifest.train.precision.value == "bf16" or (run.manifest.train.precision.value == "auto" and device.type == "cuda")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce)
-    reshard = stages is None  # under pp a stage keeps its parameters whole for the step (module docstring)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    for root in stages.values() if stages is not None else [model]:
-        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+def apply_fsdp(blocks: Iterable[torch.nn.Module], roots: Iterable[torch.nn.Module], dp_mesh, *,
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+               reshard_after_forward: bool = True) -> None:
+    """FSDP2 on each of `blocks` (its own unit), then on each of `roots` (the model, or under pp this rank's
+    stage modules, which own what no block holds: embedding, final norm, head). `dp_mesh`: the (1-D, or
+    2-D replicate x shard for HSDP) mesh parameters are sharded over. `param_dtype` None computes in the
+    parameters' dtype. Under pp pass reshard_after_forward=False: a stage keeps its parameters whole for
+    the step (module docstring)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for root in roots:
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 class FSDPSync(LocalSync):
