@@ -1,4 +1,4 @@
-"""trainer.metrics: peak/MFU arithmetic, memory, and every sink read back from its own files."""
+"""trainer.metrics and trainer.sinks: peak/MFU arithmetic, memory, and every sink read back from its own files."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from trainer import metrics as M
+from trainer import sinks as S
 from trainer.manifest.schema import LoggingSection, Sink, WandbSection
 
 ALL_SINKS = (Sink.console, Sink.jsonl, Sink.tensorboard, Sink.wandb)
@@ -33,9 +34,9 @@ def fake_steps(n: int = 3, mfu: bool = True, pipeline: bool = True) -> list[dict
     ]
 
 
-def build(tmp_path: Path, sinks: tuple[Sink, ...], *, rank0: bool = True) -> M.Sinks:
+def build(tmp_path: Path, sinks: tuple[Sink, ...], *, rank0: bool = True) -> S.Sinks:
     cfg = LoggingSection(every=10, sinks=sinks, wandb=WandbSection(mode="offline", tags=("test",)))
-    return M.build_sinks(cfg, run_dir=tmp_path / "run", run_name="unit", total_steps=30,
+    return S.build_sinks(cfg, run_dir=tmp_path / "run", run_name="unit", total_steps=30,
                          config={"name": "unit", "train": {"steps": 30}}, is_rank0=rank0, device_type="cpu")
 
 
@@ -231,6 +232,6 @@ def test_missing_package_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.
             build(tmp_path, (Sink.jsonl, Sink(sink)))
     # wandb with mode disabled is not imported, and nothing is written
     cfg = LoggingSection(sinks=(Sink.wandb,), wandb=WandbSection(mode="disabled"))
-    with M.build_sinks(cfg, run_dir=tmp_path / "off", run_name="x", total_steps=1, config={}, is_rank0=True) as sinks:
+    with S.build_sinks(cfg, run_dir=tmp_path / "off", run_name="x", total_steps=1, config={}, is_rank0=True) as sinks:
         assert sinks.sinks == ()
     assert not (tmp_path / "off").exists()

@@ -16,7 +16,7 @@ from conftest import ROOT, read_jsonl
 from launchers.rundir import FINGERPRINT, LOCK, RunDirError, RunLock, claim_run_dir, differences
 from trainer.manifest import load_manifest
 from trainer.manifest.schema import OnNonFinite
-from trainer.metrics import JsonlSink, TensorBoardSink, WandbSink
+from trainer.sinks import JsonlSink, TensorBoardSink, WandbSink
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStop
 
 # ---------------------------------------------------------------------------- non-finite steps

@@ -167,8 +167,12 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device,
-                 verify="full", model: torch.nn.Module | None = None, sync=None):
+                 verify="full", model: torch.nn.Module | None = None, sync=None, every: int = 0,
+                 final: bool = True, asynchronous: bool = False):
+        """`every`, `final`, `asynchronous`: the cadence `due` and `maybe_save` follow (checkpoint.every,
+        checkpoint.final, checkpoint.async_save)."""
         self.root = Path(root)
+        self.every, self.final, self.asynchronous = every, final, asynchronous
         self.device = device
         self.keep = keep
         self.rank = rank
@@ -189,6 +193,18 @@ class Checkpointer:
             check_space(self.root, self.need_bytes)
 
     # -- saving ------------------------------------------------------------------------------
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether step `step` is saved: every `every` steps, and the last one when there is a cadence or
+        `final` asks for it."""
+        return (bool(self.every) and step % self.every == 0) or (last and (bool(self.every) or self.final))
+
+    def maybe_save(self, step: int, last: bool, sync, model, lr_schedule, loader, manifest_text: str = "") -> bool:
+        """Save step `step` if it is `due` (in the background under `asynchronous`); whether it did."""
+        if not self.due(step, last):
+            return False
+        self.save(step, sync, model, lr_schedule, loader, manifest_text, self.asynchronous)
+        return True
 
     def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "", asynchronous: bool = False) -> Path:
         """Write step `step`. Synchronous: returns once committed. Asynchronous: returns once the state is

@@ -25,7 +25,7 @@ from trainer.evaluate import NO_VALIDATION, build_validation
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
 from trainer.memtrack import RunMemory
-from trainer.metrics import StepTimer, build_sinks, mfu, peak_flops, peak_memory_bytes
+from trainer.metrics import Meter
 from trainer.models import cross_entropy, get_model_spec
 from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
 from trainer.optim import build_lr_schedule
@@ -38,6 +38,7 @@ from trainer.parallel.tensor import loss_context
 from trainer.precision import autocast_for, uses_bf16
 from trainer.preempt import PreemptionFlag, StopRequested, stop_for
 from trainer.run_status import RunStatus
+from trainer.sinks import build_sinks
 from trainer.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,10 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
 
 
 def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, device, autocast, run: Resolved,
-                     cp: ContextShard | None, preempt: PreemptionFlag, guard: NonFiniteGuard) -> tuple:
+                     cp: ContextShard | None, preempt: PreemptionFlag, guard: NonFiniteGuard, after_step=None) -> tuple:
     """One step that ends in a global synchronisation: forward and backward, the global norm and clip,
-    every rank's signal and non-finite verdict, the optimizer step. (step, loss, grad_norm, lr, stop)."""
+    every rank's signal and non-finite verdict, the optimizer step (then `after_step()`, the model kind's).
+    (step, loss, grad_norm, lr, stop)."""
     m = run.manifest
     if pipeline is not None:  # the schedule's actions over the pipeline ranks
         loss = pipeline.step(microbatches, autocast, cp)  # cp: each stage gets this cp rank's slice
@@ -95,6 +97,8 @@ def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, d
     stop, nonfinite = preempt.agreed(nonfinite=not finite(loss_f, norm_f))
     if guard.admit(step, nonfinite, loss_f, norm_f):  # every rank decides alike
         sync.step()
+        if after_step is not None:
+            after_step()
     else:
         sync.skip_step()
     return step, loss, grad_norm, lr, stop
@@ -156,7 +160,9 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         pin_memory=device.type == "cuda",  # data.prefetch steps read ahead by a thread (trainer/prefetch.py)
     )
     manifest_text = dump_manifest(m)
-    ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device, verify=m.checkpoint.verify, model=model, sync=sync)
+    ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device, verify=m.checkpoint.verify,
+                        model=model, sync=sync, every=m.checkpoint.every, final=m.checkpoint.final,
+                        asynchronous=m.checkpoint.async_save)
     resumed = ckpt.load_latest(m.checkpoint.resume_from, sync, model, lr_schedule, loader)
     first = resumed.step + 1 if resumed else 1
     if resumed and info.is_rank0:
@@ -165,7 +171,10 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         print_banner(run, device, uses_bf16(run, device), (resumed.path, resumed.step) if resumed else None)
     status = RunStatus(run.run_dir, info.is_rank0)
     status.write("running", first - 1)
-    meter = Meter(run, device, mesh, pipeline)
+    spec = get_model_spec(m.model.kind)
+    meter = Meter(device, spec.flops_per_token(m.model), run.tokens_per_step, run.world_size,
+                  dp_group=mesh["dp_cp"].get_group() if mesh is not None else None,  # cp ranks: other tokens of the same samples
+                  pipeline=pipeline, peak_tflops=m.logging.peak_tflops)
     autocast = autocast_for(run, device)
     validation = build_validation(run, model, pipeline, mesh, device, autocast, layout.dp_rank(info.rank),
                                   device.type == "cuda", cp)  # data.valid: val_loss at train.eval_every steps
@@ -174,18 +183,26 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
     loss = torch.zeros(())
 
+    def kind_metrics() -> dict:  # the model kind's keys (a collective at the log steps), e.g. an MoE's load
+        return spec.metrics(parts, mesh) if spec.metrics is not None else {}
+
+    def after_step() -> None:  # after each applied optimizer step, e.g. an MoE's routing-bias update
+        if spec.after_step is not None:
+            spec.after_step(parts, mesh)
+
     try:
         with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                          config=m.model_dump(mode="json"), is_rank0=info.is_rank0, device_type=device.type,
-                         resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step) as sinks:
+                         resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step,
+                         extra_keys=spec.metric_keys) as sinks:
             # parallel.post_validation: each step's update is applied at once and checked during the next
             post = build_post_validation(run, sync, mesh, guard) if pipeline and pipeline.post_validation else None
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
                 microbatches = loader.microbatches(step - 1)
-                every, last = m.checkpoint.every, step == m.train.steps
-                saved = (bool(every) and step % every == 0) or (last and (bool(every) or m.checkpoint.final))
+                last = step == m.train.steps
+                saved = ckpt.due(step, last)
                 if post is not None:  # the previous step is validated at this one's validation point
                     loss = pipeline.step(microbatches, autocast, cp, post.validate if post.pending else None)
                     post.launch(step, loss, preempt.code())
@@ -196,7 +213,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                     finished = [(v.step, v.loss, v.grad_norm, v.lr, stop_for(v.stop_code), v.rollbacks) for v in verdicts]
                 else:
                     finished = [(*synchronous_step(step, model, sync, pipeline, microbatches, device, autocast, run, cp,
-                                                   preempt, guard), None)]
+                                                   preempt, guard, after_step), None)]
                 lr_schedule.step()
                 meter.stop()
                 sinks.advance(step)  # the console's live line, on a terminal
@@ -207,10 +224,10 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                     if done % m.logging.every == 0 or done == m.train.steps or val["val_loss"] is not None:
                         sinks.log(meter.metrics(done, loss, grad_norm, lr) | {
                             "skipped_steps": guard.skipped, "rollbacks": rollbacks,
-                            "peak_tensor_bytes": memory.report(done)} | val)
+                            "peak_tensor_bytes": memory.report(done)} | val | kind_metrics())
                 if saved:
                     watchdog.beat(step, "checkpoint save")
-                    ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, m.checkpoint.async_save)
+                ckpt.maybe_save(step, last, sync, model, lr_schedule, loader, manifest_text)
                 ckpt.poll()
                 stop = next((s for *_, s, _ in finished if s), None)
                 if step < m.train.steps and stop:  # SIGTERM/USR1: requeue; SIGINT: stop
@@ -241,47 +258,3 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     if on_finish is not None:
         on_finish(model, sync)
     return TrainResult(steps=m.train.steps, final_loss=loss.item(), run_dir=run.run_dir)
-
-
-class Meter:
-    """Step timing since the last log, tokens/s, MFU and memory: the numbers every sink reports."""
-
-    def __init__(self, run: Resolved, device: torch.device, mesh, pipeline=None):
-        m = run.manifest
-        self.run, self.device, self.pipeline = run, device, pipeline
-        self.dp_group = mesh["dp_cp"].get_group() if mesh is not None else None  # cp ranks: other tokens of the same samples
-        self.flops_per_token = get_model_spec(m.model.kind).flops_per_token(m.model)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        self.peak = peak_flops(device.type, name, m.logging.peak_tflops)
-        self.timer = StepTimer(device)
-        self.window_time, self.window_steps = 0.0, 0
-        self.last_window = (0.0, 0)
-
-    def start(self) -> None:
-        self.timer.start()
-
-    def stop(self) -> None:
-        self.window_time += self.timer.stop()
-        self.window_steps += 1
-
-    def metrics(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
-        if self.dp_group is not None:  # the mean loss over the global batch (collective: every rank logs)
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
-        if self.window_steps:  # two steps reported at one boundary (post-validation): the second shares the window
-            self.last_window = (self.window_time, self.window_steps)
-        window_time, window_steps = self.last_window
-        tokens_per_s = self.run.tokens_per_step * window_steps / window_time
-        out = {
-            "step": step,
-            "loss": loss.item(),
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": window_time / window_steps,
-            "mfu": mfu(tokens_per_s, self.flops_per_token, self.peak, self.run.world_size),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
-        }
-        # per-step busy / idle seconds and idle fraction of the worst pipeline rank (collective); none without pp
-        out |= self.pipeline.timing_metrics() if self.pipeline else {"busy_s": None, "idle_s": None, "bubble": None}
-        self.window_time, self.window_steps = 0.0, 0
-        return out

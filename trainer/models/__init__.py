@@ -113,8 +113,10 @@ class ModelSpec:
     # reported through `metrics`.
     loss: Callable[[Any, Any], Any] = cross_entropy
     # metrics(parts, mesh) -> {key: value} the kind adds to every logged step (a collective: every rank calls
-    # it at the log steps); None: nothing beyond the trainer's keys.
+    # it at the log steps); its keys are exactly `metric_keys`, every sink writes them (a list value, JSONL
+    # only). None: nothing beyond the trainer's keys.
     metrics: Callable[[Any, Any], dict[str, Any]] | None = None
+    metric_keys: tuple[str, ...] = ()
     # after_step(parts, mesh): runs on every rank after each optimizer step that was applied (an MoE's
     # routing-bias update); None: nothing.
     after_step: Callable[[Any, Any], None] | None = None
