@@ -62,5 +62,5 @@ def llama_spec() -> ModelSpec:
         flops_per_token=config.flops_per_token,
         parallelize=parallelize,
         pipeline=PipelineSpec(keep_stages=keep_stages, activation_shape=activation_shape),
-        hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict),
+        hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
     )
