@@ -140,12 +140,12 @@ def run_plain(s: dict) -> dict:
     """The loop one writes by hand: the same Llama module, bf16 autocast, fused AdamW, whole-model compile."""
     import torch
 
-    from trainer.manifest.schema import ModelSection
+    from trainer.models.llama.config import LlamaConfig
     from trainer.models.llama.model import Transformer, init_weights
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    cfg = ModelSection(**s["model"])
+    cfg = LlamaConfig(**s["model"])
     batch = s["batch"]
     model = Transformer(cfg)
     init_weights(model, 0)
@@ -213,10 +213,9 @@ def spawn(s: dict, timeout: float = 1800) -> dict:
 
 
 def row(shape: str, runner: str, r: dict, device: str, plain: dict | None) -> dict:
-    from trainer.models.llama.config import flops_per_token, num_params
-    from trainer.manifest.schema import ModelSection
+    from trainer.models.llama.config import LlamaConfig, flops_per_token, num_params
 
-    cfg = ModelSection(**model_section(shape))
+    cfg = LlamaConfig(**model_section(shape))
     tps = r["tokens_per_step"] / r["step_time_s"]
     tflops = tps * flops_per_token(cfg) / 1e12
     out = {"bench": "gpu_mfu", "date": datetime.date.today().isoformat(), "device": device, "shape": shape,

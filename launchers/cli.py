@@ -157,14 +157,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from trainer.manifest.schema import Manifest
-
-    print(json.dumps(manifest_json_schema(Manifest), indent=2))
+    print(json.dumps(manifest_json_schema(), indent=2))
     return EXIT_OK
 
 
-def manifest_json_schema(manifest_cls) -> dict:
-    schema = manifest_cls.model_json_schema()
+def manifest_json_schema() -> dict:
+    """The manifest's JSON Schema, its model section a union on `kind` over every installed model kind."""
+    from trainer.manifest.schema import json_schema
+
+    schema = json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "mantra manifest"
     return schema

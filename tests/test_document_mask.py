@@ -18,7 +18,8 @@ from conftest import assert_same_training, merge, tiny_config, train_on_ranks
 from trainer.corpus.tokenize import tokenize_corpus
 from trainer.data import DataError, build_loader, check_data, document_ids
 from trainer.manifest import ManifestError, load_manifest
-from trainer.manifest.schema import DataSection, ModelSection
+from trainer.manifest.schema import DataSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.models import get_model_spec
 from trainer.models.llama.model import document_mask
 
@@ -27,7 +28,7 @@ TOL = 1e-5
 
 
 def tiny_model() -> torch.nn.Module:
-    cfg = ModelSection(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32)
+    cfg = LlamaConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32)
     model = SPEC.build(cfg)
     SPEC.init_weights(model, 5)
     return model.eval()

@@ -27,12 +27,12 @@ def worker(out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from trainer.manifest.schema import ModelSection
+    from trainer.models.llama.config import LlamaConfig
     from trainer.models import get_model_spec
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
-    cfg = ModelSection(dim=32, layers=2, heads=4, kv_heads=2, ffn_dim=64, vocab=256, seq_len=32)
+    cfg = LlamaConfig(dim=32, layers=2, heads=4, kv_heads=2, ffn_dim=64, vocab=256, seq_len=32)
     spec = get_model_spec("llama")
     model = spec.build(cfg)
     spec.init_weights(model, 0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig as LlamaSection
 from trainer.models import get_model_spec
 from trainer.models.llama.hf import hf_config_kwargs, to_hf_state_dict
 
@@ -17,7 +17,7 @@ SPEC = get_model_spec("llama")
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_logits_and_loss_match_transformers(tie: bool, attn: str) -> None:
-    cfg = ModelSection(
+    cfg = LlamaSection(
         dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32,
         rope_theta=5e5, norm_eps=1e-6, tie_embeddings=tie,
     )
@@ -53,7 +53,7 @@ def test_logits_and_loss_match_transformers(tie: bool, attn: str) -> None:
 
 
 def test_hf_state_dict_names_cover_the_hf_model() -> None:
-    cfg = ModelSection(dim=32, layers=3, heads=4, ffn_dim=64, vocab=64, seq_len=8)
+    cfg = LlamaSection(dim=32, layers=3, heads=4, ffn_dim=64, vocab=64, seq_len=8)
     ours = SPEC.build(cfg)
     hf = LlamaForCausalLM(LlamaConfig(**hf_config_kwargs(cfg)))
     state = to_hf_state_dict(ours, cfg)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.models import get_model_spec
 from trainer.models.llama.model import Transformer
 
 SPEC = get_model_spec("llama")
 
 
-def tiny(**overrides: object) -> ModelSection:
+def tiny(**overrides: object) -> LlamaConfig:
     fields = dict(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32)
-    return ModelSection(**{**fields, **overrides})
+    return LlamaConfig(**{**fields, **overrides})
 
 
-def build_and_init(cfg: ModelSection, seed: int, meta: bool) -> Transformer:
+def build_and_init(cfg: LlamaConfig, seed: int, meta: bool) -> Transformer:
     if meta:
         with torch.device("meta"):
             model = SPEC.build(cfg)

@@ -124,6 +124,8 @@ def _leaves(schema: dict, node: dict | None = None, path: tuple[str, ...] = ()):
     node = schema if node is None else node
     if "$ref" in node:
         node = schema["$defs"][node["$ref"].split("/")[-1]]
+    for branch in node.get("oneOf", []):  # the model section: one branch per model kind
+        yield from _leaves(schema, branch, path)
     if "properties" in node:
         for key, sub in node["properties"].items():
             yield from _leaves(schema, sub, path + (key,))

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.models.llama.model import Transformer, init_weights
 from trainer.parallel.pipeline import build_schedule
 from trainer.parallel.pipeline.actions import Kind
@@ -25,7 +25,7 @@ from trainer.models import cross_entropy
 from trainer.parallel.pipeline.split import stage_layers
 from trainer.parallel.pipeline.stages import StageLayout
 
-CFG = ModelSection(dim=32, layers=4, heads=4, kv_heads=2, ffn_dim=64, vocab=256, seq_len=16)
+CFG = LlamaConfig(dim=32, layers=4, heads=4, kv_heads=2, ffn_dim=64, vocab=256, seq_len=16)
 
 
 def whole_model(seed: int = 3) -> Transformer:

@@ -12,13 +12,13 @@ import yaml
 
 from conftest import ROOT, mantra
 from trainer.manifest import load_manifest
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.plan import activations as act
 from trainer.plan import estimate, memory
 from trainer.plan.shapes import llama_params, local_numel, plan_buckets
 
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
-CFG = ModelSection(kind="llama", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128, vocab=512, seq_len=64)
+CFG = LlamaConfig(kind="llama", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128, vocab=512, seq_len=64)
 
 
 def write(tmp_path: Path, parallel: dict, nproc: int, **train) -> Path:
@@ -168,7 +168,7 @@ def test_bucket_packing_matches_the_reducer():
 # -- activations -------------------------------------------------------------------------------------
 
 
-def _block(cfg: ModelSection):
+def _block(cfg: LlamaConfig):
     import torch
 
     from trainer.models.llama.model import TransformerBlock, rope_cache

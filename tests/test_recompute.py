@@ -10,11 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.models import get_model_spec
 from trainer.parallel.recompute import apply_activation_checkpointing
 
-CFG = ModelSection(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32)
+CFG = LlamaConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=160, vocab=256, seq_len=32)
 
 
 class CountOps(TorchDispatchMode):

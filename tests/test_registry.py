@@ -134,3 +134,21 @@ def test_model_registry_has_llama_and_suggests() -> None:
     assert "llama" in model_names()
     with pytest.raises(UnknownNameError, match=r"did you mean 'llama'\?"):
         get_model_spec("lama")
+
+
+def test_each_kind_brings_a_model_section_class() -> None:
+    """The `model:` section's class comes from the kind's spec: a ModelSection named by a Literal kind."""
+    import typing
+
+    from trainer.manifest.schema import ModelSection
+    from trainer.models import config_class, get_model_spec, model_names
+    from trainer.models.llama.config import LlamaConfig
+
+    assert get_model_spec("llama").config is LlamaConfig is config_class("llama")
+    for kind in model_names():
+        config = config_class(kind)
+        assert issubclass(config, ModelSection), kind
+        assert typing.get_args(config.model_fields["kind"].annotation) == (kind,), kind
+    assert not {"dim", "heads", "ffn_dim"} & set(ModelSection.model_fields)  # llama's fields are llama's
+    with pytest.raises(UnknownNameError, match=r"did you mean 'llama'\?"):
+        config_class("lama")

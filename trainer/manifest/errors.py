@@ -1,6 +1,9 @@
 """Diagnostics: what is wrong, where, and how to fix it, rendered compiler-style.
 
     manifests/llama-8b.yaml:14:7: error: parallel.tp: 3 does not divide model.heads (32); use 1, 2, 4 or 8
+
+(that one from the llama kind's check_parallel: a model kind's own checks report the same way, at the field
+they name, a full manifest path).
 """
 
 from __future__ import annotations

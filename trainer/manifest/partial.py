@@ -7,6 +7,8 @@ that refuses the fields set aside: a rule that reads one stops and says nothing 
 about a value nobody wrote), every other rule reports as usual. An unknown key also sets aside the
 fields of its section that were not written, since it may be a misspelling of one of them
 (`optimizer_shardng: zero1` would otherwise leave sharding at none and blame dp_shard for it).
+Each round validates with the class of the model kind the data names then (schema.manifest_class), so
+the fields of the model section are the kind's own.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from trainer.manifest.schema import Manifest
+from trainer.manifest.schema import Manifest, manifest_class
 from trainer.manifest.source import SourceTree
 from trainer.manifest.validate import section_class
 
@@ -41,17 +43,18 @@ def set_aside(tree: SourceTree) -> Partial | None:
     data = copy.deepcopy(tree.data)
     unknown: set[Path_] = set()
     for _ in range(_ROUNDS):
+        root = manifest_class(data)  # again each round: the kind decides the model section's class
         try:
-            return Partial(Manifest.model_validate(data), frozenset(unknown))
+            return Partial(root.model_validate(data), frozenset(unknown))
         except ValidationError as exc:
             for err in exc.errors(include_url=False):
                 loc = tuple(str(p) for p in err["loc"] if not isinstance(p, int))
                 if err["type"] == "extra_forbidden":
                     _drop(data, loc)
-                    unknown |= _unwritten(data, loc[:-1])
+                    unknown |= _unwritten(data, loc[:-1], root)
                     continue
                 path = _field(err["loc"])
-                info = _info(path)
+                info = _info(path, root)
                 if info is None:
                     return None
                 unknown.add(path)
@@ -74,8 +77,8 @@ def _field(loc: tuple[str | int, ...]) -> Path_:
     return tuple(out)
 
 
-def _info(path: Path_):
-    parent = section_class(path[:-1]) if path else None
+def _info(path: Path_, root: type[BaseModel]):
+    parent = section_class(path[:-1], root) if path else None
     return None if parent is None else parent.model_fields.get(path[-1])
 
 
@@ -109,8 +112,8 @@ def _put(data: dict, path: Path_, value: Any) -> None:
     section[path[-1]] = value
 
 
-def _unwritten(data: dict, section_path: Path_) -> set[Path_]:
-    cls = section_class(section_path)
+def _unwritten(data: dict, section_path: Path_, root: type[BaseModel]) -> set[Path_]:
+    cls = section_class(section_path, root)
     written = _section(data, section_path) or {}
     return {section_path + (name,) for name in (cls.model_fields if cls else ()) if name not in written}
 
@@ -122,7 +125,7 @@ def _covered(path: Path_, unknown: frozenset[Path_]) -> bool:
 class View:
     """A section read through the fields set aside: reading one raises SetAside.
 
-    Properties run against the view (`model.n_kv_heads` reads kv_heads through it); a method such as
+    Properties run against the view (llama's `model.n_kv_heads` reads kv_heads through it); a method such as
     model_dump sees every field, so it counts as reading them all."""
 
     __slots__ = ("_obj", "_path", "_unknown")

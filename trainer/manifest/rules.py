@@ -6,6 +6,9 @@ without the rejected fields: partial.py) and yields `Finding(field, message)`;
 files the manifest names; plan and dry-run skip those. Features that are declared
 in the schema but not built yet fail here with "not supported yet", never deep
 inside a run: delete the line in `not_supported_yet` when the feature lands.
+Rules read only the model fields every kind has (ModelSection: kind, layers,
+vocab, seq_len); a kind's own shape is checked by its ModelSpec's check and
+check_parallel (rule `model_plugin`).
 """
 
 from __future__ import annotations
@@ -344,7 +347,9 @@ _LATER = "not supported yet"
 @rule
 def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
-    if p.pp > 1 and m.model.tie_embeddings and p.optimizer_sharding == Sharding.zero3:
+    # tie_embeddings is not every kind's field, but the limit is the trainer's, not a kind's: the tied head
+    # (ModelParts.tie) under zero3 and pp, whatever the kind. So any kind that has the field meets the rule.
+    if p.pp > 1 and getattr(m.model, "tie_embeddings", False) and p.optimizer_sharding == Sharding.zero3:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
                       "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
     if p.cp > 1 and m.train.compile:

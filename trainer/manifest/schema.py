@@ -4,7 +4,8 @@ Torch-free on purpose: `mantra validate` runs on login nodes and in editors.
 Unknown keys are errors (extra="forbid"); closed choices are enums so a typo
 is caught at load; nothing here mutates a value. Every whole number has an
 upper bound (MAX_* below, `maximum` in `mantra schema`) and every float must be
-finite, so no manifest can make `validate` or `plan` run for long. Derived
+finite, so no manifest can make `validate` or `plan` run for long. The `model:`
+section is validated by its kind's own class, a ModelSection (`manifest_class`). Derived
 values (the inferred dp degree, the microbatch count, the world size) come
 from `resolve.py`.
 
@@ -14,10 +15,12 @@ The key names are a contract other tools rely on: add keys, never rename.
 from __future__ import annotations
 
 import enum
+import functools
 import re
-from typing import Annotated, Literal
+import typing
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 MANIFEST_VERSION = 1
 
@@ -27,9 +30,10 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 # Upper bounds of the whole numbers: far above any run that exists (Llama 3 405B: dim 16384, 126 layers,
 # vocab 128256, 16384 GPUs), low enough that `validate` and `plan` finish in seconds at any of them.
-MAX_DIM = 2**20  # model.dim
+# The MAX_* of the model's shape are for the kinds' config classes (trainer/models/*/config.py) to import.
+MAX_DIM = 2**20  # llama's model.dim
 MAX_FFN_DIM = 2**22
-MAX_HEADS = 2**16  # model.heads, model.kv_heads
+MAX_HEADS = 2**16  # llama's model.heads, model.kv_heads
 MAX_LAYERS = 1024  # model.layers, each stage_layers entry (DeepNet, the deepest published, has 1000)
 MAX_VOCAB = 2**24
 MAX_SEQ_LEN = 2**24
@@ -145,24 +149,30 @@ class LauncherKind(str, enum.Enum):
     slurm = "slurm"
 
 
-class ModelSection(Section):
-    """The decoder's shape; `kind` picks the plugin from the model registry."""
+DEFAULT_KIND = "llama"  # model.kind when the manifest leaves it out
 
-    kind: str = Field("llama", description="registered model kind (`mantra models` lists them)")
-    dim: PositiveInt = Field(description="hidden size", le=MAX_DIM)
+
+class ModelSection(Section):
+    """What every model kind's `model:` section holds: the base of each kind's config class.
+
+    `kind` picks the plugin from the model registry; the kind's class (`ModelSpec.config`, e.g.
+    trainer/models/llama/config.py's LlamaConfig) derives from this one with `kind: Literal["<name>"]` and
+    adds its own shape. These fields are the ones the trainer itself reads for every decoder: the data
+    loader (vocab, seq_len) and the pipeline split (layers). Kinds use the MAX_* bounds above for theirs.
+    """
+
+    kind: str = Field(DEFAULT_KIND, description="registered model kind (`mantra models` lists them)")
     layers: PositiveInt = Field(description="number of transformer blocks", le=MAX_LAYERS)
-    heads: PositiveInt = Field(description="attention (query) heads", le=MAX_HEADS)
-    kv_heads: PositiveInt | None = Field(None, description="key/value heads for GQA; default: heads", le=MAX_HEADS)
-    ffn_dim: PositiveInt = Field(description="hidden size of the SwiGLU feed-forward", le=MAX_FFN_DIM)
     vocab: PositiveInt = Field(description="vocabulary size (byte-level text needs >= 256)", le=MAX_VOCAB)
     seq_len: PositiveInt = Field(description="tokens per sample", le=MAX_SEQ_LEN)
-    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base")
-    norm_eps: PositiveFloat = Field(1e-5, description="RMSNorm epsilon")
-    tie_embeddings: bool = Field(False, description="share the input embedding with the output head")
 
-    @property
-    def n_kv_heads(self) -> int:
-        return self.kv_heads or self.heads
+
+class UnknownKindSection(ModelSection):
+    """The section of a kind no plugin registered. Without the kind's class the rest of the section cannot be
+    checked: its other keys are ignored, and the rules (model_plugin) report the kind itself, with its nearest
+    registered name, alongside every other error of the manifest."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 Seconds = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
@@ -425,7 +435,13 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class Manifest(Section):
-    """One training run, fully described."""
+    """One training run, fully described.
+
+    The `model` field is validated by the model kind's own class: `Manifest.model_validate(data)` reads
+    `model.kind` first (default llama) and validates with `manifest_class(data)`, a subclass of Manifest
+    (one per kind, cached) whose `model` is the kind's config class. Every instance is of such a subclass;
+    `isinstance(x, Manifest)` holds for all of them. Build manifests with model_validate, not Manifest(...).
+    """
 
     version: Literal[1] = Field(MANIFEST_VERSION, description="manifest format version")
     name: str = Field(description="run name: letters, digits, '.', '_' and '-'")
@@ -444,3 +460,78 @@ class Manifest(Section):
         if not _NAME.match(value):
             raise ValueError(f"'{value}' is not a safe run name; use letters, digits, '.', '_' and '-'")
         return value
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Manifest:
+        """Validate `obj` with the class of its model kind (called on Manifest itself) or with `cls`."""
+        target = manifest_class(obj) if cls is Manifest else cls
+        if target is cls:
+            return super().model_validate(obj, **kwargs)
+        return target.model_validate(obj, **kwargs)
+
+    def __reduce__(self):  # the per-kind classes are made at run time: pickle by the kind's config class
+        return _restore, (type(self.model), self.__getstate__())
+
+
+def model_class(kind: object) -> type[ModelSection]:
+    """The config class of model kind `kind` (a registered plugin's, loaded through the registry and its
+    entry points, torch-free); UnknownKindSection for a kind nobody registered or one that is not text."""
+    from trainer.models import config_class
+    from trainer.registry import UnknownNameError
+
+    if not isinstance(kind, str):
+        return UnknownKindSection  # its string check reports the kind
+    try:
+        return config_class(kind)
+    except UnknownNameError:  # the rest of the section cannot be checked without the kind's class: only the
+        return UnknownKindSection  # common fields are; rules.model_plugin names the kind with its nearest match
+
+
+def manifest_class(data: Any) -> type[Manifest]:
+    """The Manifest class that validates `data` (plain manifest data, or a Manifest): the one whose `model`
+    field is the class of `data`'s model kind. A missing or non-mapping model section gets Manifest itself,
+    whose errors for it (missing, expected a section) need no kind."""
+    if isinstance(data, Manifest):
+        return type(data)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        return Manifest
+    return manifest_for(model_class(model.get("kind", DEFAULT_KIND)))
+
+
+@functools.cache
+def manifest_for(config: type[ModelSection]) -> type[Manifest]:
+    """Manifest with its `model` field validated by `config` (cached: one class per config class)."""
+    if config is ModelSection:
+        return Manifest
+    if not (isinstance(config, type) and issubclass(config, ModelSection)):
+        raise TypeError(f"a model kind's config class must derive from ModelSection, got {config!r}")
+    return create_model(f"Manifest_{config.__name__}", __base__=Manifest, __module__=__name__, model=(config, ...))
+
+
+def _restore(config: type[ModelSection], state: dict) -> Manifest:
+    cls = manifest_for(config)
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+def json_schema(configs: tuple[type[ModelSection], ...] | None = None) -> dict[str, Any]:
+    """The manifest's JSON Schema (`mantra schema`): the `model` section a oneOf, discriminated on `kind`,
+    over `configs` (default: the config class of every installed kind, built-ins and plugins, by name).
+    A branch other than the default kind's lists `kind` as required, so exactly one branch matches."""
+    if configs is None:
+        from trainer.models import config_class, model_names
+
+        configs = tuple(config_class(kind) for kind in model_names())
+    union = Annotated[Union[configs], Field(discriminator="kind")]  # noqa: UP007  a tuple of classes
+    cls = create_model("Manifest", __base__=Manifest, __module__=__name__, model=(union, ...))
+    schema = cls.model_json_schema()
+    schema["properties"]["model"].update(
+        title="Model", description="the model kind's section: one branch per installed kind, chosen by `kind`")
+    for config in configs:
+        kind = typing.get_args(config.model_fields["kind"].annotation)[0]  # the Literal's one name
+        branch = schema["$defs"][schema["properties"]["model"]["discriminator"]["mapping"][kind].split("/")[-1]]
+        if kind != DEFAULT_KIND and "kind" not in branch.setdefault("required", []):
+            branch["required"].insert(0, "kind")
+    return schema

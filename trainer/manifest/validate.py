@@ -10,13 +10,16 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from trainer.manifest.errors import Diagnostic
-from trainer.manifest.schema import Manifest
+from trainer.manifest.schema import Manifest, manifest_class
 from trainer.manifest.source import SourceTree
 
 
-def section_class(path: tuple[str | int, ...]) -> type[BaseModel] | None:
-    """The pydantic class of the section at `path` (None when `path` is not a section)."""
-    cls: type[BaseModel] = Manifest
+def section_class(path: tuple[str | int, ...], root: type[BaseModel] = Manifest) -> type[BaseModel] | None:
+    """The pydantic class of the section at `path` (None when `path` is not a section).
+
+    `root` is the manifest class the data validates with (`manifest_class(data)`): its `model` field is the
+    model kind's class, so `path` ("model",) gives that kind's section, not the ModelSection base."""
+    cls: type[BaseModel] = root
     for part in path:
         info = cls.model_fields.get(str(part))
         if info is None:
@@ -29,8 +32,8 @@ def section_class(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     return cls
 
 
-def _field_type(path: tuple[str | int, ...]) -> Any:
-    parent = section_class(path[:-1])
+def _field_type(path: tuple[str | int, ...], root: type[BaseModel]) -> Any:
+    parent = section_class(path[:-1], root)
     if parent is None:
         return None
     info = parent.model_fields.get(str(path[-1]))
@@ -59,12 +62,12 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _message(err: dict[str, Any], path: tuple[str | int, ...]) -> str:
+def _message(err: dict[str, Any], path: tuple[str | int, ...], root: type[BaseModel]) -> str:
     kind = err["type"]
     value = err.get("input")
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
-        parent = section_class(path[:-1])
+        parent = section_class(path[:-1], root)
         allowed = sorted(parent.model_fields) if parent else []
         close = difflib.get_close_matches(str(path[-1]), allowed, n=1, cutoff=0.6)
         if close:
@@ -73,7 +76,7 @@ def _message(err: dict[str, Any], path: tuple[str | int, ...]) -> str:
     if kind == "missing":
         return "required key is missing; add it"
     if kind in ("enum", "literal_error"):
-        allowed = _choices(_field_type(tuple(p for p in path if not isinstance(p, int))))
+        allowed = _choices(_field_type(tuple(p for p in path if not isinstance(p, int)), root))
         if not allowed and "expected" in ctx:
             allowed = [s.strip(" '") for s in str(ctx["expected"]).replace(" or ", ",").split(",")]
         return f"{_shown(value)} is not allowed; use one of {', '.join(map(str, allowed))}"
@@ -115,9 +118,11 @@ def dotted_path(path: tuple[str | int, ...]) -> str:
 
 
 def validate_schema(tree: SourceTree) -> tuple[Manifest | None, list[Diagnostic]]:
-    """Validate the plain data against the schema; return the manifest or every error."""
+    """Validate the plain data against the schema (the model section against its kind's class); return the
+    manifest or every error."""
+    root = manifest_class(tree.data)
     try:
-        return Manifest.model_validate(tree.data), []
+        return root.model_validate(tree.data), []
     except ValidationError as exc:
         diagnostics = []
         for err in exc.errors(include_url=False):
@@ -132,5 +137,5 @@ def validate_schema(tree: SourceTree) -> tuple[Manifest | None, list[Diagnostic]
             else:
                 where = tree.locate(path, key=err["type"] == "extra_forbidden")
             dotted = dotted_path(path)
-            diagnostics.append(Diagnostic(where, dotted, _message(err, path)))
+            diagnostics.append(Diagnostic(where, dotted, _message(err, path, root)))
         return None, diagnostics

@@ -84,8 +84,12 @@ class ModelSpec:
 
     name: str
     description: str
-    # The `model:` section's pydantic class (a trainer.manifest.schema.ModelSection with kind: Literal[name]);
-    # torch-free. `mantra validate` checks the section against it, and `mantra schema` lists every kind's.
+    # The `model:` section's pydantic class, torch-free: a subclass of trainer.manifest.schema.ModelSection
+    # (which brings kind, layers, vocab and seq_len: the fields the trainer reads for every kind) with
+    # `kind: Literal["<name>"]` and the kind's own fields, bounded by the MAX_* of schema.py. Every manifest
+    # whose model.kind is this kind validates its `model:` section with it (Manifest.model_validate picks the
+    # class by kind: unknown keys, `did you mean`, FILE:LINE:COL all come from it), the kind's functions below
+    # receive an instance of it, and `mantra schema` lists it as one branch of the model section's union on kind.
     config: type
     # Cross-field checks of the section alone, torch-free:
     # e.g. [("kv_heads", "5 does not divide heads (12); use 1, 2, 3, 4, 6 or 12")].
@@ -164,6 +168,11 @@ def get_model_spec(kind: str) -> ModelSpec:
     """The spec registered for `kind`; UnknownNameError (a KeyError) names the nearest kind."""
     _import_builtins()
     return MODELS.get(kind)
+
+
+def config_class(kind: str) -> type:
+    """The `model:` section class of `kind` (ModelSpec.config); UnknownNameError names the nearest kind."""
+    return get_model_spec(kind).config
 
 
 def model_names() -> list[str]:

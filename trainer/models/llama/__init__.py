@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.manifest.schema import ModelSection
 from trainer.models import HFMapping, ModelSpec, PipelineSpec, register_model
 from trainer.models.llama import config, hf
+from trainer.models.llama.config import LlamaConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from trainer.parallel.parts import ModelParts
 
 
-def build(cfg: ModelSection) -> nn.Module:
+def build(cfg: LlamaConfig) -> nn.Module:
     from trainer.models.llama.model import Transformer
 
     return Transformer(cfg)
@@ -41,7 +41,7 @@ def keep_stages(model: nn.Module, layout, pp_rank: int, split: list[list[int]]) 
     keep(model, layout, pp_rank, split)
 
 
-def activation_shape(cfg: ModelSection, micro_batch: int, seq_len: int, tp: int,
+def activation_shape(cfg: LlamaConfig, micro_batch: int, seq_len: int, tp: int,
                      sequence_parallel: bool) -> tuple[int, int, int]:
     """The hidden state crossing a stage boundary: [micro_batch, seq (/tp under SP), dim]."""
     return (micro_batch, seq_len // tp if sequence_parallel else seq_len, cfg.dim)
@@ -52,7 +52,7 @@ def llama_spec() -> ModelSpec:
     return ModelSpec(
         name="llama",
         description="Llama decoder: GQA, RoPE, RMSNorm, SwiGLU, optional tied embeddings",
-        config=ModelSection,
+        config=LlamaConfig,
         check=config.check,
         check_parallel=config.check_parallel,
         build=build,

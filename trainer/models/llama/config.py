@@ -1,11 +1,39 @@
-"""Llama shape rules and counts, torch-free (used by `mantra validate` and `plan`)."""
+"""Llama's `model:` section (LlamaConfig), its shape rules and counts, torch-free (`mantra validate` and `plan`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from trainer.manifest.schema import (
+    MAX_DIM,
+    MAX_FFN_DIM,
+    MAX_HEADS,
+    ModelSection,
+    PositiveFloat,
+    PositiveInt,
+)
 
 if TYPE_CHECKING:
-    from trainer.manifest.schema import ModelSection
+    from trainer.manifest.schema import ParallelSection
+
+
+class LlamaConfig(ModelSection):
+    """The Llama decoder's shape: dense, GQA, RoPE, RMSNorm, SwiGLU (layers, vocab, seq_len: ModelSection's)."""
+
+    kind: Literal["llama"] = Field("llama", description="registered model kind (`mantra models` lists them)")
+    dim: PositiveInt = Field(description="hidden size", le=MAX_DIM)
+    heads: PositiveInt = Field(description="attention (query) heads", le=MAX_HEADS)
+    kv_heads: PositiveInt | None = Field(None, description="key/value heads for GQA; default: heads", le=MAX_HEADS)
+    ffn_dim: PositiveInt = Field(description="hidden size of the SwiGLU feed-forward", le=MAX_FFN_DIM)
+    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base")
+    norm_eps: PositiveFloat = Field(1e-5, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="share the input embedding with the output head")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
 
 
 def _divisors(n: int) -> str:
@@ -13,7 +41,7 @@ def _divisors(n: int) -> str:
     return ", ".join(found[:-1]) + f" or {found[-1]}" if len(found) > 1 else found[0]
 
 
-def check(cfg: ModelSection) -> list[tuple[str, str]]:
+def check(cfg: LlamaConfig) -> list[tuple[str, str]]:
     """Cross-field problems as (field, message) pairs; empty when the shape is buildable."""
     issues: list[tuple[str, str]] = []
     if cfg.dim % cfg.heads:
@@ -30,7 +58,7 @@ def check(cfg: ModelSection) -> list[tuple[str, str]]:
     return issues
 
 
-def check_parallel(cfg: ModelSection, p) -> list[tuple[str, str]]:
+def check_parallel(cfg: LlamaConfig, p: ParallelSection) -> list[tuple[str, str]]:
     """What the parallel degrees must divide (`p`: the parallel section), as (manifest field, message)."""
     issues: list[tuple[str, str]] = []
     if cfg.heads % p.tp:
@@ -47,16 +75,16 @@ def check_parallel(cfg: ModelSection, p) -> list[tuple[str, str]]:
     return issues
 
 
-def head_dim(cfg: ModelSection) -> int:
+def head_dim(cfg: LlamaConfig) -> int:
     return cfg.dim // cfg.heads
 
 
-def num_embedding_params(cfg: ModelSection) -> int:
+def num_embedding_params(cfg: LlamaConfig) -> int:
     """The input embedding table."""
     return cfg.vocab * cfg.dim
 
 
-def num_block_params(cfg: ModelSection) -> int:
+def num_block_params(cfg: LlamaConfig) -> int:
     """One transformer block: attention, SwiGLU and two RMSNorm weights (no biases)."""
     kv_dim = cfg.n_kv_heads * head_dim(cfg)
     attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim  # wq, wo, wk, wv
@@ -64,13 +92,13 @@ def num_block_params(cfg: ModelSection) -> int:
     return attention + feed_forward + 2 * cfg.dim
 
 
-def num_params(cfg: ModelSection) -> int:
+def num_params(cfg: LlamaConfig) -> int:
     """All parameters; a tied output head shares the embedding and is counted once."""
     head = 0 if cfg.tie_embeddings else cfg.vocab * cfg.dim
     return num_embedding_params(cfg) + cfg.layers * num_block_params(cfg) + cfg.dim + head
 
 
-def flops_per_token(cfg: ModelSection) -> float:
+def flops_per_token(cfg: LlamaConfig) -> float:
     """Training FLOPs per token: 6 * (N - input embedding) + 12 * layers * dim * seq_len.
 
     PaLM / torchtitan convention: 6 FLOPs per parameter per token for the

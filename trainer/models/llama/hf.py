@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trainer.manifest.schema import ModelSection
+    from trainer.models.llama.config import LlamaConfig
 
 _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -29,7 +29,7 @@ _BLOCK_NAMES = {
 }
 
 
-def hf_config_kwargs(cfg: ModelSection) -> dict[str, Any]:
+def hf_config_kwargs(cfg: LlamaConfig) -> dict[str, Any]:
     """Keyword arguments for transformers.LlamaConfig describing the same model (torch-free)."""
     return {
         "vocab_size": cfg.vocab,
@@ -49,7 +49,7 @@ def hf_config_kwargs(cfg: ModelSection) -> dict[str, Any]:
     }
 
 
-def hf_config(cfg: ModelSection) -> dict[str, Any]:
+def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     """config.json of the same model as LlamaForCausalLM."""
     return hf_config_kwargs(cfg) | {
         "architectures": ["LlamaForCausalLM"],
@@ -61,7 +61,7 @@ def hf_config(cfg: ModelSection) -> dict[str, Any]:
     }
 
 
-def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: ModelSection) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Our (unsharded) state dict, or a model's, under LlamaForCausalLM's names.
 
     With tied embeddings `lm_head.weight` is the embedding tensor itself, as in

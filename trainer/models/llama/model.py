@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.manifest.schema import ModelSection
+from trainer.models.llama.config import LlamaConfig
 from trainer.models import canonical_name
 
 
@@ -89,7 +89,7 @@ def document_mask(documents: torch.Tensor, dtype: torch.dtype = torch.float32) -
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (kv_heads divides heads)."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads = cfg.heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.heads
@@ -125,7 +125,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -151,7 +151,7 @@ class TiedHead(nn.Module):
 class Transformer(nn.Module):
     """The decoder. With tie_embeddings `output` is a TiedHead over tok_embeddings.weight."""
 
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
@@ -205,7 +205,7 @@ def head(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return model.output(h)
 
 
-def build(cfg: ModelSection) -> Transformer:
+def build(cfg: LlamaConfig) -> Transformer:
     return Transformer(cfg)
 
 
@@ -238,7 +238,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     1/sqrt(2 * layers) (GPT-2), ones for norms. Blocks a pipeline split removed
     are simply absent; the rest get the same values as in the whole model.
     """
-    cfg: ModelSection = model.cfg
+    cfg: LlamaConfig = model.cfg
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
