@@ -112,6 +112,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from launchers.plan import PlanInputError, run_plan
+    from trainer.plan.model import NoPlanModel
 
     try:
         if args.profile is not None:  # the schedules on measured stage times
@@ -129,7 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return run_plan(args.manifest, list(args.set or []), gpu=args.gpu, gpu_mem=args.gpu_mem, as_json=args.json,
                         timeline=args.timeline, search=args.search, gpus=args.gpus, efficiency=args.efficiency,
                         steps=args.steps)
-    except PlanInputError as exc:
+    except (PlanInputError, NoPlanModel) as exc:  # NoPlanModel: the model kind has none (--against, --profile)
         raise BadInput(str(exc)) from None
 
 

@@ -25,6 +25,7 @@ from trainer.manifest import Resolved, load_manifest
 from trainer.plan import Estimate, estimate
 from trainer.plan.devices import GIB, Device, choose_device
 from trainer.plan.estimate import ROWS
+from trainer.plan.model import NoPlanModel, plan_of
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3  # 2 (bad input) is the CLI's
 
@@ -172,6 +173,10 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
     run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
     for w in warnings:
         print(w.render(), file=sys.stderr)
+    try:
+        plan_of(run.manifest.model)  # the kind's PlanModel (trainer/plan/model.py), cached for what follows
+    except NoPlanModel as exc:
+        raise PlanInputError(str(exc)) from None
     device, why = _device(gpu, run)
     if search:
         return _run_search(manifest, overrides, device, why, gpu_mem, gpus, as_json, console, efficiency)

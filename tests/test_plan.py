@@ -15,7 +15,8 @@ from trainer.manifest import load_manifest
 from trainer.models.llama.config import LlamaConfig
 from trainer.plan import activations as act
 from trainer.plan import estimate, memory
-from trainer.plan.shapes import llama_params, local_numel, plan_buckets
+from trainer.models.llama.plan import llama_params, plan_model
+from trainer.plan.shapes import local_numel, plan_buckets
 
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
 CFG = LlamaConfig(kind="llama", dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128, vocab=512, seq_len=64)
@@ -65,7 +66,7 @@ def _setup(run) -> memory.Setup:
                         sp=p.sequence_parallel, dp=run.dp, dp_shard=run.dp_shard, sharding=p.optimizer_sharding.value,
                         recompute="none", bf16=False, micro_batch=run.batch.micro_batch, loaded=1,
                         moments=_moments(run)[0], holds_logits=False, chunks=1, bucket_bytes=int(p.bucket_mb * 2**20),
-                        adamw=True, fused=False, cfg=CFG)
+                        adamw=True, fused=False, model=plan_model(CFG))
 
 
 CFG8 = CFG.model_copy(update={"layers": 8})
@@ -78,7 +79,8 @@ def _stage_setup(sharding: str, pp: int, bf16: bool = False) -> memory.Setup:
     moments = (memory.Moment(2.0, head=0, at_loss=False), memory.Moment(2.0, warm=True, head=0, at_loss=False))
     return memory.Setup(params=params, layers=4, first=True, last=False, tp=1, sp=False, dp=2, dp_shard=2,
                         sharding=sharding, recompute="none", bf16=bf16, micro_batch=2, loaded=2, moments=moments,
-                        holds_logits=False, chunks=1, bucket_bytes=25 * 2**20, adamw=True, fused=False, cfg=CFG8, pp=pp)
+                        holds_logits=False, chunks=1, bucket_bytes=25 * 2**20, adamw=True, fused=False, model=plan_model(CFG8),
+                        pp=pp)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -120,7 +122,7 @@ def test_zero3_with_a_pipeline_in_the_time_model():
     from trainer.plan.flops import Shape, predict
 
     cfg = load_manifest(ROOT / "manifests/llama3-8b.yaml")[0].manifest.model
-    x = Shape(cfg, 16, 1, 4, 1, 1, 4, "zero3", "1f1b", 16, 1, "full", True, 4, (8, 8, 8, 8), (1_750_000_000,) * 4,
+    x = Shape(plan_model(cfg), 16, 1, 4, 1, 1, 4, "zero3", "1f1b", 16, 1, "full", True, 4, (8, 8, 8, 8), (1_750_000_000,) * 4,
               1e9, 0.1, 1e11, 16 * 8192, stage_layers=(8, 8, 8, 8), stage_rank=(0, 1, 2, 3))
     h100 = get_device("h100")
     with_pp = predict(x, h100).dp_s
@@ -136,7 +138,7 @@ def test_the_pipeline_simulation_uses_each_stage_s_own_cost(tmp_path):
 
     run, _ = load_manifest(write(tmp_path, {"pp": 2}, 2))
     plan = estimate(run, "cpu")
-    blk, head = block_pass_flops(CFG), head_pass_flops(CFG)
+    blk, head = block_pass_flops(plan_model(CFG)), head_pass_flops(plan_model(CFG))
     s0, s1 = plan.split.stage_s
     assert s1 / s0 == pytest.approx((blk.total + head.total) / blk.total)  # one block on each stage
     f = [sp.end - sp.start for sp in plan.timing.sim.spans[1] if sp.action.kind.value == "F"]
@@ -207,8 +209,8 @@ def test_saved_tensors_of_one_block_match_the_coefficients(bf16, kv_heads):
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
         out = block(x, cos, sin)
-    expected = act.block_bytes(cfg, b, "none", act.Precision(bf16))
-    assert sum(saved.values()) == expected, act.block_terms(cfg, b, "none", act.Precision(bf16))
+    expected = act.block_bytes(plan_model(cfg), b, "none", act.Precision(bf16))
+    assert sum(saved.values()) == expected, act.block_terms(plan_model(cfg), b, "none", act.Precision(bf16))
     if bf16:  # one bf16 copy of each block matrix, saved by its matmul
         assert sum(copies.values()) == 2 * sum(p.numel() for p in block.parameters() if p.ndim == 2)
     out.sum().backward()
@@ -244,18 +246,19 @@ def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
     live = track.samples[i - 1].total - done
     p = act.Precision(bf16)
     casts = 2 * sum(q.numel() for q in block.parameters() if q.ndim == 2) if (bf16 and mode == "none") else 0
-    expected = act.block_bytes(CFG, b, mode, p) - 4 * b * CFG.seq_len * CFG.dim + casts
+    expected = act.block_bytes(plan_model(CFG), b, mode, p) - 4 * b * CFG.seq_len * CFG.dim + casts
     assert live == pytest.approx(expected, rel=0.01, abs=64)
 
 
 def test_coefficients_in_the_manner_of_korthikanti():
     """fp32 without recompute: s·b·h·(40 + 16·f/h) plus the small [b, s] and [b, a, s] terms."""
     cfg = CFG.model_copy(update={"seq_len": 4096, "dim": 4096, "heads": 32, "kv_heads": 8, "ffn_dim": 14336})
-    per_sbh = act.block_bytes(cfg, 1, "none", act.Precision(False)) / (cfg.seq_len * cfg.dim)
+    pm = plan_model(cfg)
+    per_sbh = act.block_bytes(pm, 1, "none", act.Precision(False)) / (cfg.seq_len * cfg.dim)
     assert per_sbh == pytest.approx(40 + 16 * 14336 / 4096 + (8 + 4 * 32) / 4096)
-    bf16 = act.block_bytes(cfg, 1, "none", act.Precision(True)) - 8 * cfg.seq_len * 128  # RoPE casts aside
+    bf16 = act.block_bytes(pm, 1, "none", act.Precision(True)) - 8 * cfg.seq_len * 128  # RoPE casts aside
     assert bf16 / (cfg.seq_len * cfg.dim) == pytest.approx(34 + 8 * 14336 / 4096 + (8 + 4 * 32) / 4096)
-    assert act.block_bytes(cfg, 1, "full", act.Precision(True), tp=4, sp=True) == 4 * cfg.seq_len * cfg.dim / 4
+    assert act.block_bytes(pm, 1, "full", act.Precision(True), tp=4, sp=True) == 4 * cfg.seq_len * cfg.dim / 4
 
 
 # -- search ------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@
     plan = estimate(run, "h100")
     print(plan.verdict)
 
-Torch-free (a test checks it): devices.py (the hardware table), shapes.py (the
-parameters and how layouts cut them), activations.py (what a block saves),
+Torch-free (a test checks it): model.py (the PlanModel: what the planner needs of a
+decoder, given by its kind's ModelSpec.plan; every module below reads it, none a kind's
+config), devices.py (the hardware table), shapes.py (how layouts cut the
+parameters), activations.py (what a block saves),
 memory.py (bytes per rank over a step), flops.py (FLOPs and step time),
 estimate.py (all of it for one resolved manifest), search.py (layouts that fit).
 """

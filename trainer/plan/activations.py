@@ -1,4 +1,4 @@
-"""Activation memory of one Llama block, derived from the tensors it really saves for backward.
+"""Activation memory of one block, derived from the tensors a Llama block really saves for backward.
 
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
 Models") count a GPT block with dropout at s·b·h·(34 + 5·a·s/h) bytes in 16-bit
@@ -6,7 +6,8 @@ without recompute. Our block (trainer/models/llama/model.py) differs: no dropout
 RMSNorm computed in fp32, SwiGLU with ffn_dim f, GQA whose k/v are repeated to all
 heads before SDPA, and SDPA (flash / efficient / CPU flash) which saves no s×s
 matrix, only its output and a logsumexp [b, a, s] in fp32. Walking the forward
-(s = seq_len, b = micro_batch, h = dim, f = ffn_dim, a = heads, e = 2 bytes under
+(s = seq_len, b = micro_batch, h = dim, f = the MLP's width (PlanModel.mlp_width: ffn_dim, or an
+MoE block's (top_k + shared) x expert ffn_dim), a = heads, e = 2 bytes under
 bf16 autocast, 4 in fp32; r = bytes of the residual stream: 4, or 2 under zero3's
 bf16 FSDP gather, which makes the embedding and the norm weights bf16 too):
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.manifest.schema import ModelSection
+    from trainer.plan.model import PlanModel
 
 SPLITS = ("tp", "sp", "no")
 
@@ -101,10 +102,10 @@ def _norm(prefix: str, sbh: float, sb: float, p: Precision, consumers: int) -> l
     return out
 
 
-def block_terms(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision) -> list[Term]:
+def block_terms(m: PlanModel, micro_batch: int, recompute: str, p: Precision) -> list[Term]:
     """What one block keeps between its forward and its backward, for one microbatch (see the module docstring)."""
-    s, b, h, f, a = cfg.seq_len, micro_batch, cfg.dim, cfg.ffn_dim, cfg.heads
-    kv = cfg.n_kv_heads * (h // a)
+    s, b, h, f, a = m.seq_len, micro_batch, m.dim, m.mlp_width, m.heads
+    kv = m.kv_heads * m.head_dim
     sbh, sbf, sb, e = s * b * h, s * b * f, s * b, p.e
     if recompute == "full":
         return [Term("block input (checkpoint)", p.r * sbh, "sp")]
@@ -127,15 +128,15 @@ def block_terms(cfg: ModelSection, micro_batch: int, recompute: str, p: Precisio
         Term("SDPA logsumexp (fp32)", 4 * a * sb, "tp"),
     ]
     if p.casts:
-        out.append(Term("RoPE cos/sin cast to bf16", 4 * 2 * s * (h // a), "no"))
+        out.append(Term("RoPE cos/sin cast to bf16", 4 * 2 * s * m.head_dim, "no"))
     out += _norm("ffn_norm", sbh, sb, p, 2)
     out.append(Term("w1 out, silu, w3 out, product", 4 * e * sbf, "tp"))
     return out
 
 
-def head_terms(cfg: ModelSection, micro_batch: int, p: Precision) -> list[Term]:
+def head_terms(m: PlanModel, micro_batch: int, p: Precision) -> list[Term]:
     """The final norm's saved tensors (the output matmul saves its input, the normed tensor)."""
-    s, b, h = cfg.seq_len, micro_batch, cfg.dim
+    s, b, h = m.seq_len, micro_batch, m.dim
     return _norm("final norm", s * b * h, s * b, p, 1)
 
 
@@ -143,19 +144,19 @@ def on_rank(terms: list[Term], tp: int, sp: bool) -> float:
     return sum(t.on_rank(tp, sp) for t in terms)
 
 
-def block_bytes(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
+def block_bytes(m: PlanModel, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
     """Bytes one block keeps per microbatch on one rank."""
-    return on_rank(block_terms(cfg, micro_batch, recompute, p), tp, sp)
+    return on_rank(block_terms(m, micro_batch, recompute, p), tp, sp)
 
 
-def working_set(cfg: ModelSection, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
+def working_set(m: PlanModel, micro_batch: int, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> float:
     """Extra bytes while one block's backward recomputes it: its full activations less what was kept."""
     if recompute == "none":
         return 0.0
-    return block_bytes(cfg, micro_batch, "none", p, tp, sp) - block_bytes(cfg, micro_batch, recompute, p, tp, sp)
+    return block_bytes(m, micro_batch, "none", p, tp, sp) - block_bytes(m, micro_batch, recompute, p, tp, sp)
 
 
-def logits_bytes(cfg: ModelSection, micro_batch: int, tp: int, holds_logits: bool = True) -> dict[str, float]:
+def logits_bytes(m: PlanModel, micro_batch: int, tp: int, holds_logits: bool = True) -> dict[str, float]:
     """Bytes of the logits region on the rank holding the head, for one microbatch (V/t per rank under tp).
 
     The loop (trainer/loop.py `train_step`, `del logits` once the loss is taken) and the pipeline runtime
@@ -170,25 +171,25 @@ def logits_bytes(cfg: ModelSection, micro_batch: int, tp: int, holds_logits: boo
     after     what is left for the rest of the backward                                     0 (x)
     grad      split backward: the logits' gradient, kept from B until the head's W           x
     """
-    x = 4 * micro_batch * cfg.seq_len * cfg.vocab / tp
+    x = 4 * micro_batch * m.seq_len * m.vocab / tp
     keep = x if holds_logits else 0.0
     return {"other": x + keep, "loss": 3 * x + keep + (x if tp > 1 else 0.0), "head_bwd": x + keep, "after": keep, "grad": x}
 
 
-def weight_grad_inputs(cfg: ModelSection, micro_batch: int, p: Precision, tp: int = 1, sp: bool = False) -> float:
+def weight_grad_inputs(m: PlanModel, micro_batch: int, p: Precision, tp: int = 1, sp: bool = False) -> float:
     """Extra bytes per block a microbatch holds between its input-gradient pass (B) and its weight-gradient
     pass (W) in a split-backward schedule: the graph stays (its activations are counted already) and the
     gradient of every weight's output waits for W: q, k, v, w1, w3 (split over t), wo, w2 (full), and the
     two RMSNorm products `weight * x/rms` (fp32 [s, b, h], split only with sequence parallel)."""
-    s, b, h, f = cfg.seq_len, micro_batch, cfg.dim, cfg.ffn_dim
-    kv = cfg.n_kv_heads * (h // cfg.heads)
+    s, b, h, f = m.seq_len, micro_batch, m.dim, m.mlp_width
+    kv = m.kv_heads * m.head_dim
     norms = 2 * 4 * s * b * h / (tp if sp else 1)
     return p.e * ((s * b * (h + 2 * kv) + 2 * s * b * f) / tp + 2 * s * b * h) + norms
 
 
-def coefficients(cfg: ModelSection, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> str:
+def coefficients(m: PlanModel, recompute: str, p: Precision, tp: int = 1, sp: bool = False) -> str:
     """One block's bytes per microbatch on one rank as `s·b·h·C` with this model's f/h, kv/h and a folded
     into C (+ the RoPE casts, which do not grow with b)."""
-    rope = 4 * 2 * cfg.seq_len * (cfg.dim // cfg.heads) if (recompute == "none" and p.casts) else 0
-    per = (block_bytes(cfg, 1, recompute, p, tp, sp) - rope) / (cfg.seq_len * cfg.dim)
+    rope = 4 * 2 * m.seq_len * m.head_dim if (recompute == "none" and p.casts) else 0
+    per = (block_bytes(m, 1, recompute, p, tp, sp) - rope) / (m.seq_len * m.dim)
     return f"s·b·h·{per:.2f}" + (f" + {rope / 2**20:.1f} MiB RoPE casts" if rope else "")

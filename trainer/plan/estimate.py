@@ -21,8 +21,9 @@ from trainer.manifest.schema import OptimizerName, Precision, Schedule
 from trainer.plan import activations as act
 from trainer.plan import memory
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
-from trainer.plan.flops import Shape, Timing, predict
-from trainer.plan.shapes import local_numel, params_by_part, plan_buckets, rank_layers, stage_ranks
+from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
+from trainer.plan.model import PlanModel, plan_of
+from trainer.plan.shapes import local_numel, plan_buckets, rank_layers, stage_ranks
 from trainer.plan.schedule import schedule_options
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
@@ -59,6 +60,23 @@ class Split:
 
 
 @dataclass(frozen=True)
+class ModelCounts:
+    """Parameters of the planned model (trainer/plan/model.py); the expert fields stay 0 for a dense one."""
+
+    total: int  # every parameter, a tied head counted once
+    active: int  # what one token runs through (an MoE block's top_k of its experts)
+    experts: int = 0  # routed-expert parameters, whole model
+    experts_per_rank: int = 0  # of them, what one expert-parallel rank holds (the busiest pipeline rank's blocks)
+    ep: int = 1
+    all_to_all_bytes: float = 0.0  # expert parallel's dispatch + combine, sent by one rank per step (flops.py)
+
+    def to_json(self) -> dict[str, object]:
+        return {"total_params": self.total, "active_params": self.active, "expert_params": self.experts,
+                "expert_params_per_ep_rank": self.experts_per_rank, "ep": self.ep,
+                "all_to_all_bytes_per_step": self.all_to_all_bytes}
+
+
+@dataclass(frozen=True)
 class RankRow:
     rank: str  # "every rank", or "pp rank r" with a pipeline
     layers: int
@@ -86,6 +104,7 @@ class Estimate:
     coefficients: dict[str, str]  # activation bytes of one block per microbatch, per recompute mode
     notes: tuple[str, ...] = field(default=())
     split: Split | None = None  # the pipeline's stage split and its balance (pp > 1)
+    counts: ModelCounts | None = None  # total and active parameters, experts per EP rank, all-to-all bytes
 
     @property
     def peak(self) -> float:
@@ -118,6 +137,7 @@ class Estimate:
                      "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
             "activation_coefficients": self.coefficients, "notes": list(self.notes),
             "pipeline": None if self.split is None else self.split.to_json(),
+            "parameters": None if self.counts is None else self.counts.to_json(),
         }
 
 
@@ -195,45 +215,50 @@ class _Cut(NamedTuple):
     layers: list[list[int]]  # block indices per pipeline rank
     last_rank: int  # the rank with the head and the loss
     moments: list[tuple[memory.Moment, ...]]
-    parts: tuple  # shapes.params_by_part: (embedding, per-block parameters, final norm and head)
+    model: PlanModel  # the kind's (trainer/plan/model.py); model.parts: embedding, per-block parameters, norm and head
+    ep: int  # expert parallel degree
+
+
+def expert_parallel(run: Resolved) -> int:
+    """parallel.ep, the expert-parallel degree; 1 while the manifest has no such field (the MoE kind adds it)."""
+    return getattr(run.manifest.parallel, "ep", 1)
 
 
 def _cut(run: Resolved, device: Device) -> _Cut:
     from trainer.plan.split import stage_counts
 
-    cfg, p = run.manifest.model, run.manifest.parallel
-    if cfg.kind != "llama":
-        raise ValueError(f"mantra plan knows the llama model only, not model.kind '{cfg.kind}'")
+    p = run.manifest.parallel
+    pm = plan_of(run.manifest.model)  # NoPlanModel (a ValueError) for a kind without one
     v_style = p.schedule == Schedule.zb_v
-    counts = stage_counts(run) if p.pp > 1 else (cfg.layers,)  # the split the runtime uses (balance.py)
-    layers = rank_layers(cfg.layers, p.pp, p.virtual_stages, counts, v_style)
+    counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (balance.py)
+    layers = rank_layers(pm.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
-    return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), params_by_part(cfg))
+    return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), pm, expert_parallel(run))
 
 
 def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, memory.Setup]:
     """Pipeline rank r's memory row and its Setup."""
     m = run.manifest
-    cfg, p, train = m.model, m.parallel, m.train
+    p, train, pm = m.parallel, m.train, cut.model
     bf16, last_rank, moments = cut.bf16, cut.last_rank, cut.moments
-    embed, blocks, head = cut.parts
+    embed, blocks, head = pm.parts
     sp = p.sequence_parallel and p.tp > 1
     held = set(cut.layers[r])
-    tied_copy = cfg.tie_embeddings and r == last_rank  # the tied head's copy of the embedding (tied.py)
+    tied_copy = pm.tied and r == last_rank  # the tied head's copy of the embedding (tied.py)
     mine = ((embed if (r == 0 or tied_copy) else ()) + tuple(q for i in sorted(held) for q in blocks[i])
             + (head if r == last_rank else ()))  # registration order, as model.named_parameters()
     # context parallel: a rank's activations are those of seq_len / cp tokens, and its gradients are reduced
     # (zero1/2/3: sharded) over dp x cp, as the cp ranks hold the same parameters
-    local = cfg if p.cp == 1 else cfg.model_copy(update={"seq_len": cfg.seq_len // p.cp})
+    local = pm.with_seq_len(pm.seq_len // p.cp)
     s = memory.Setup(
         params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp * p.cp,
         dp_shard=run.dp_shard * p.cp, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
         bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
         moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
-        adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, cfg=local, pp=p.pp,
+        adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
         grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=_validation_held(run)[r])
+        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep)
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
@@ -269,15 +294,17 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     off by more than IMBALANCE_HINT also gets the plan of `stage_layers: balanced` (`split.balanced`)."""
     device = get_device(device) if isinstance(device, str) else device
     m = run.manifest
-    cfg, p, train = m.model, m.parallel, m.train
+    p, train = m.parallel, m.train
+    pm = plan_of(m.model)
     rows, setups, layers, counts = _memory(run, device)
     bf16 = is_bf16(run, device)
     v_style = p.schedule == Schedule.zb_v
     sp = p.sequence_parallel and p.tp > 1
     ranks = tuple(stage_ranks(p.pp, p.virtual_stages, v_style)) if p.pp > 1 else (0,)
-    timing = predict(_shape(run, setups, layers, bf16, counts, ranks), device, efficiency)
+    timing = predict(_shape(run, pm, setups, layers, bf16, counts, ranks), device, efficiency)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
-    coeffs = {mode: act.coefficients(cfg, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    counted = model_counts(run, pm, layers, bf16)
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "tp": p.tp, "sequence_parallel": sp,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
               "post_validation": p.post_validated,
@@ -292,7 +319,8 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
         if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
             split = replace(split, balanced=_balanced(run, device, capacity_gib, efficiency, timing.step_s))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
-                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing)), split)
+                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing, counted)), split,
+                    counted)
 
 
 def _balanced(run: Resolved, device: Device, capacity_gib: float | None, efficiency: float | None,
@@ -309,32 +337,52 @@ def _balanced(run: Resolved, device: Device, capacity_gib: float | None, efficie
     return Alternative(e.split.stage_layers, t.step_s, t.bubble_s, t.sim.bubble_rate, t.imbalance, e.peak, e.fits)
 
 
-def _shape(run: Resolved, setups: list[memory.Setup], layers: list[list[int]], bf16: bool,
+def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: list[list[int]], bf16: bool,
            counts: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
     m, p = run.manifest, run.manifest.parallel
-    stage_params = tuple(sum(local_numel(q, p.tp) for q in s.params) for s in setups)
+    stage_params = tuple(sum(local_numel(q, p.tp, s.ep) for q in s.params) for s in setups)
     owned = max(memory.states(s)["owned"] for s in setups)
     mode = setups[0].mode
     if mode in ("none", "zero1", "zero2"):
-        plan = plan_buckets([local_numel(q, p.tp) for q in reversed(setups[0].params)], int(p.bucket_mb * 2**18), 1)
+        plan = plan_buckets([local_numel(q, p.tp, setups[0].ep) for q in reversed(setups[0].params)],
+                            int(p.bucket_mb * 2**18), 1)
         share = plan.largest / max(plan.total, 1)
     else:
-        share = 1 / max(m.model.layers, 1)
-    from trainer.models.llama.config import flops_per_token
-
+        share = 1 / max(pm.layers, 1)
     sp = p.sequence_parallel and p.tp > 1
-    remat = act.working_set(setups[0].cfg, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
-    return Shape(m.model, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
+    remat = act.working_set(setups[0].model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
+    return Shape(pm, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
-                 share, flops_per_token(m.model), run.tokens_per_step, remat, tuple(counts), ranks,
+                 share, pm.flops_per_token, run.tokens_per_step, remat, tuple(counts), ranks,
                  schedule_options(run), p.cp, p.cp_kind.value)
 
 
-def _notes(run: Resolved, device: Device, t: Timing) -> list[str]:
+def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:
+    """The model's parameters, total and active, and under mixture of experts the routed experts one
+    expert-parallel rank holds and the all-to-all bytes it sends per step (the busiest pipeline rank's)."""
+    ep = expert_parallel(run)
+    if not pm.expert_params:
+        return ModelCounts(pm.total_params, pm.active_params)
+    p = run.manifest.parallel
+    tokens = run.batch.micro_batch * (pm.seq_len // p.cp) * run.batch.microbatches  # a rank's tokens of one step
+    recompute = run.manifest.train.activation_checkpointing.value
+    return ModelCounts(
+        pm.total_params, pm.active_params, pm.expert_params,
+        max(pm.expert_params_per_rank(ep, tuple(held)) for held in layers), ep,
+        max(moe_all_to_all_bytes(pm, tokens, ep, 2 if bf16 else 4, held, recompute) for held in layers))
+
+
+def _notes(run: Resolved, device: Device, t: Timing, counts: ModelCounts | None = None) -> list[str]:
     p = run.manifest.parallel
     out = [f"step time assumes {t.efficiency:.0%} of the {device.peak_tflops:g} TFLOP/s peak for compute "
            "(trainer/plan/flops.py: EFFICIENCY); memory does not depend on it"]
+    if counts is not None and counts.experts:
+        out.append(f"mixture of experts: {counts.total:,} parameters, {counts.active:,} active per token (FLOPs and MFU "
+                   f"count these); routed experts {counts.experts:,}, {counts.experts_per_rank:,} per expert-parallel "
+                   f"rank at ep {counts.ep} ({counts.experts_per_rank * 16 / 2**20:,.1f} MiB of fp32 weights, gradients and "
+                   f"Adam moments before data-parallel sharding); all-to-all {counts.all_to_all_bytes / 2**20:,.1f} MiB "
+                   "sent per rank per step (not in the step time yet)")
     if p.cp > 1:
         kind = ("Ulysses all-to-all, all exposed" if p.cp_kind.value == "ulysses"
                 else "ring K/V passing, exposed where a block's attention does not cover it")

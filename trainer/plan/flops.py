@@ -1,9 +1,9 @@
 """FLOPs per step and a predicted step time.
 
-FLOPs are the ones the training loop's MFU uses (trainer.models.llama.config.flops_per_token,
-PaLM / torchtitan convention):
+FLOPs are the ones the training loop's MFU uses (PlanModel.flops_per_token, the kind's
+ModelSpec.flops_per_token: PaLM / torchtitan convention, over the parameters a token uses):
 
-    flops_per_token = 6·(N - embedding) + 12·L·h·s        (forward 1/3, backward 2/3; causal mask not halved)
+    flops_per_token = 6·(N_active - embedding) + 12·L·h·s   (forward 1/3, backward 2/3; causal mask not halved)
     model FLOPs per step = flops_per_token · global_batch · seq_len
 
 Recompute costs hardware FLOPs the MFU does not count: full recompute runs each
@@ -36,6 +36,10 @@ bandwidth, one that spans nodes at the per-GPU network bandwidth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.plan.model import PlanModel
 
 # Achievable share of the dense peak for this model's matmuls, attention and element-wise work: what a
 # well-tuned compiled bf16 Llama step reaches (issue 7: the plain compiled loop ~55% MFU on an H200 for a
@@ -69,15 +73,14 @@ def ring_time(nbytes: float, ranks: int, gbps: float, kind: str) -> float:
     return factor * nbytes / (gbps * 1e9)
 
 
-def block_forward_flops(cfg, tokens: float) -> float:
-    """Forward FLOPs of all blocks for `tokens` tokens: 2 per parameter per token plus 4·h·s attention per layer."""
-    from trainer.models.llama.config import num_block_params
+def block_forward_flops(m: PlanModel, tokens: float) -> float:
+    """Forward FLOPs of all blocks for `tokens` tokens: 2 per active parameter per token plus 4·h·s attention
+    per layer."""
+    return tokens * (2 * sum(m.active_block_params) + 4 * m.layers * m.dim * m.seq_len)
 
-    return tokens * (2 * cfg.layers * num_block_params(cfg) + 4 * cfg.layers * cfg.dim * cfg.seq_len)
 
-
-def head_forward_flops(cfg, tokens: float) -> float:
-    return tokens * 2 * cfg.vocab * cfg.dim
+def head_forward_flops(m: PlanModel, tokens: float) -> float:
+    return tokens * 2 * m.vocab * m.dim
 
 
 # The loss's element-wise work per logit, counted as FLOPs: log_softmax's forward (row max, subtract, exp,
@@ -100,28 +103,29 @@ class PassFlops:
         return self.f + self.b + self.w
 
 
-def block_pass_flops(cfg, recompute: str = "none", split_backward: bool = False) -> PassFlops:
+def block_pass_flops(m: PlanModel, recompute: str = "none", split_backward: bool = False) -> PassFlops:
     """One block, per token: 2 FLOPs per parameter + 4·h·s attention forward, the same for B and for W
     (forward 1/3, backward 2/3); full recompute runs the forward again inside B, and inside W as well
-    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py)."""
-    fwd = block_forward_flops(cfg, 1) / cfg.layers
+    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py).
+    Blocks that differ (an MoE's first dense layers) count as their mean."""
+    fwd = block_forward_flops(m, 1) / m.layers
     again = 2 if recompute == "full" else 1
     return PassFlops(fwd, fwd * again, fwd * (again if split_backward else 1))
 
 
-def head_pass_flops(cfg) -> PassFlops:
+def head_pass_flops(m: PlanModel) -> PassFlops:
     """The last stage's extra work, per token: the output head's matmul (2·h·V per pass) and the loss
     (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out."""
-    mm = head_forward_flops(cfg, 1)
+    mm = head_forward_flops(m, 1)
     fwd, bwd = LOSS_FLOPS_PER_LOGIT
-    return PassFlops(mm + fwd * cfg.vocab, mm + bwd * cfg.vocab, mm)
+    return PassFlops(mm + fwd * m.vocab, mm + bwd * m.vocab, mm)
 
 
 @dataclass(frozen=True)
 class Shape:
     """What the time model needs to know about the run (filled in by estimate.py)."""
 
-    cfg: object  # ModelSection
+    model: PlanModel
     world: int
     tp: int
     pp: int
@@ -185,16 +189,16 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     from trainer.parallel.pipeline import Costs
     from trainer.plan.schedule import simulate
 
-    cfg = x.cfg
+    m = x.model
     eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
     rate = device.peak_tflops * 1e12 * eff
-    mb_tokens = x.micro_batch * cfg.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
+    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
     from trainer.parallel.pipeline.schedules import SCHEDULES
 
-    counts = x.stage_layers or (cfg.layers,)
+    counts = x.stage_layers or (m.layers,)
     owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
     split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
-    blk, head = block_pass_flops(cfg, x.recompute, split), head_pass_flops(cfg)
+    blk, head = block_pass_flops(m, x.recompute, split), head_pass_flops(m)
     last = len(counts) - 1
 
     def per_stage(kind: str) -> list[float]:  # seconds of one microbatch through each virtual stage
@@ -211,7 +215,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     stage_s = tuple(sum(t) for t in zip(f, b, w))
     rank_s = tuple(sum(t for t, r in zip(stage_s, owner) if r == q) for q in range(x.pp))
     e = 2 if x.bf16 else 4
-    act_bytes = mb_tokens * cfg.dim * e / x.tp
+    act_bytes = mb_tokens * m.dim * e / x.tp
     p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
     ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
@@ -224,7 +228,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
         ops = x.microbatches * (max(x.rank_layers) * OPS_PER_BLOCK + OPS_HEAD)
         compute = max(compute, ops * LAUNCH_FLOOR_S["gpu" if device.is_gpu else "cpu"])
     # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
-    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * cfg.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
+    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
     tp_s = max(x.rank_layers) * x.microbatches * per_block
     # data parallel
     grads = max(x.stage_params) * x.reduce_bytes
@@ -261,7 +265,7 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     cp_s, cp_bytes = context_comm(x, device, e, rate)
     step = compute + bubble + tp_s + exposed + optimizer + cp_s
     model = x.flops_per_token * x.global_tokens
-    hardware = model + (block_forward_flops(cfg, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
+    hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
                   model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args)
 
@@ -276,11 +280,10 @@ def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
     block's attention does not cover is exposed."""
     if x.cp == 1:
         return 0.0, 0.0
-    cfg, cp = x.cfg, x.cp
-    tok = x.micro_batch * cfg.seq_len / cp  # a rank's tokens of one microbatch
-    head_dim = cfg.dim // cfg.heads
-    q = tok * cfg.dim / x.tp
-    kv = tok * max(cfg.n_kv_heads, cp if x.cp_kind == "ulysses" else 1) * head_dim / x.tp
+    m, cp = x.model, x.cp
+    tok = x.micro_batch * m.seq_len / cp  # a rank's tokens of one microbatch
+    q = tok * m.dim / x.tp
+    kv = tok * max(m.kv_heads, cp if x.cp_kind == "ulysses" else 1) * m.head_dim / x.tp
     passes = x.microbatches * max(x.rank_layers)
     bw = _bandwidth(device, x.tp * cp) * 1e9
     if x.cp_kind == "ulysses":
@@ -288,6 +291,23 @@ def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
         return passes * per / bw, passes * per
     block = 2 * kv * e  # one K/V block
     sent = (cp - 1) * (block + block + 2 * kv * 4)  # forward K/V, backward K/V and the fp32 dK/dV
-    attention = 3 * 4 * tok * (cfg.seq_len / cp) * cfg.dim / x.tp / 2 / rate  # one block's causal scores, fwd + bwd
+    attention = 3 * 4 * tok * (m.seq_len / cp) * m.dim / x.tp / 2 / rate  # one block's causal scores, fwd + bwd
     exposed = max(sent / bw - (cp - 1) * attention, 0.0)
     return passes * exposed, passes * sent
+
+
+def moe_all_to_all_bytes(m: PlanModel, tokens: float, ep: int, e: int, layers=None, recompute: str = "none") -> float:
+    """Bytes one rank sends for expert parallel per step: in each MoE block it runs (`layers`, default all),
+    each of its `tokens` tokens of the step goes to top_k experts (dispatch) and comes back (combine), in the
+    forward and, as gradients, in the backward; (ep-1)/ep of the experts sit on other ranks (routing taken
+    as uniform), e bytes per element:
+
+        per MoE block  4 · tokens · top_k · dim · e · (ep - 1) / ep
+
+    Full recompute runs the block's forward again in the backward: 6 instead of 4. Dense blocks send nothing."""
+    if ep <= 1 or not m.moe:
+        return 0.0
+    passes = 6 if recompute == "full" else 4
+    blocks = range(m.layers) if layers is None else layers
+    k = sum(m.moe[i].top_k for i in blocks if m.moe[i] is not None)
+    return passes * tokens * k * m.dim * e * (ep - 1) / ep

@@ -49,7 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.plan import activations as act
-from trainer.plan.shapes import Param, fsdp_numel, local_numel, plan_buckets
+from trainer.plan.model import Param
+from trainer.plan.shapes import fsdp_numel, local_numel, plan_buckets
 
 MAX_IN_FLIGHT = 2
 
@@ -111,15 +112,16 @@ class Setup:
     bucket_bytes: int
     adamw: bool
     fused: bool
-    cfg: object = field(repr=False, default=None)  # the ModelSection
+    model: object = field(repr=False, default=None)  # the trainer.plan.model.PlanModel (seq_len: a cp rank's share)
     pp: int = 1  # pipeline degree (zero3 keeps a stage whole for the step when pp > 1)
     grad_bytes: int = 4  # zero3 with pp: bytes of a whole gradient element (2 with bf16 params and reduce)
     gloo: bool = False  # collectives over gloo (CPU): they allocate temporaries NCCL does not (see `points`)
-    cp: int = 1  # context parallel (cfg.seq_len is then a cp rank's share of the sequence)
+    cp: int = 1  # context parallel (model.seq_len is then a cp rank's share of the sequence)
     cp_kind: str = "ulysses"
     document_mask: bool = False  # data.document_mask: a documents tensor per microbatch and one additive mask
     post_validated: bool = False  # parallel.post_validation: a snapshot and the kept gradients into the next step
     validation_held: float = 0.0  # microbatches of activations (rank-block units) held at the validation point
+    ep: int = 1  # expert parallel: a routed expert's weights (Param.ep_dim) are cut in ep (1 until parallel.ep exists)
 
     @property
     def mode(self) -> str:
@@ -154,36 +156,37 @@ class Point:
 
 
 def _elems(s: Setup, keep) -> int:
-    return sum(local_numel(p, s.tp) for p in s.params if keep(p))
+    tp, ep = s.tp, s.ep  # the hottest loop of `plan --search`
+    return sum(local_numel(p, tp, ep) for p in s.params if keep(p))
 
 
 def states(s: Setup) -> dict[str, float]:
     """Persistent bytes: parameters, optimizer states, gradient storage between steps, and the rest."""
-    cfg = s.cfg
+    pm = s.model
     total = _elems(s, lambda p: True)
     decayed = _elems(s, lambda p: p.is_matrix)
     # inputs and targets (int64), and with data.document_mask each token's document number (int64)
     per_token = 24 if s.document_mask else 16
-    out: dict[str, float] = {"rope": 2 * cfg.seq_len * (cfg.dim // cfg.heads) * 4,
-                             "tokens": per_token * s.micro_batch * cfg.seq_len * s.loaded,
+    out: dict[str, float] = {"rope": 2 * pm.seq_len * pm.head_dim * 4,
+                             "tokens": per_token * s.micro_batch * pm.seq_len * s.loaded,
                              "doc_mask": document_mask_bytes(s)}
     if s.mode == "zero3":
-        shard = sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params)
-        out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard)[0] for p in s.params if p.is_matrix),
+        shard = sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params)
+        out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params if p.is_matrix),
                 "grad_persistent": 0.0, "grad_step": 4 * shard, "tensors": len(s.params)}
         unit = 2 if s.bf16 else 4  # FSDP's param dtype
-        out["whole_params"] = unit * sum(fsdp_numel(p, s.tp, s.dp_shard)[1] for p in s.params) if s.whole_step else 0.0
+        out["whole_params"] = unit * sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[1] for p in s.params) if s.whole_step else 0.0
     elif s.mode in ("none", "zero1", "zero2"):
         shards = 1 if s.mode == "none" else s.dp_shard
         backward_order = list(reversed(s.params))
-        plan = plan_buckets([local_numel(p, s.tp) for p in backward_order], max(s.bucket_bytes // 4, 1), shards)
+        plan = plan_buckets([local_numel(p, s.tp, s.ep) for p in backward_order], max(s.bucket_bytes // 4, 1), shards)
         owned = plan.shard_total if shards > 1 else total
         grad = 4 * (plan.shard_total if s.mode == "zero2" else plan.total)
         out |= {"params": 4 * total, "owned": owned, "owned_decayed": decayed * owned / max(total, 1),
                 "grad_persistent": grad, "grad_step": grad, "bucket": 4 * plan.largest, "bucket_shard": 4 * plan.largest / shards,
                 "buckets": len(plan.sizes), "tensors": len(s.params) / shards + len(plan.sizes),
                 "first_bucket": 4 * plan.sizes[0]}
-        left, completing = _first_bucket(backward_order, plan.sizes[0], s.tp)
+        left, completing = _first_bucket(backward_order, plan.sizes[0], s.tp, s.ep)
         out |= {"blocks_after_first_bucket": left, "completing_grad": 4 * completing}
     else:  # local
         out |= {"params": 4 * total, "owned": total, "owned_decayed": decayed, "grad_persistent": 0.0,
@@ -196,16 +199,16 @@ def states(s: Setup) -> dict[str, float]:
 def document_mask_bytes(s: Setup) -> float:
     """data.document_mask: the additive [micro_batch, 1, S, S] mask of the microbatch in flight, built once in
     attention's dtype and saved once for every block's backward (trainer/models/llama/model.py)."""
-    return s.micro_batch * s.cfg.seq_len ** 2 * (2 if s.bf16 else 4) if s.document_mask else 0.0
+    return s.micro_batch * s.model.seq_len ** 2 * (2 if s.bf16 else 4) if s.document_mask else 0.0
 
 
-def _first_bucket(backward_order: list[Param], first_bucket: int, tp: int) -> tuple[int, int]:
+def _first_bucket(backward_order: list[Param], first_bucket: int, tp: int, ep: int = 1) -> tuple[int, int]:
     """When the first gradient bucket (`first_bucket` elements, filled in backward order) is complete: the blocks
     whose backward has not finished (their activations are alive) and the elements of the gradient that
     completed it (its .grad is still referenced while the bucket's reduce-scatter is launched)."""
     inside, seen, last = set(), 0, 0
     for p in backward_order:
-        n = local_numel(p, tp)
+        n = local_numel(p, tp, ep)
         if seen + n > first_bucket and seen > 0:
             break
         seen, last = seen + n, n
@@ -220,12 +223,12 @@ def _tp_embedding_grad(s: Setup) -> float:
     from the masked lookup, made Replicate by reduce_partial_grads): V·h·4 bytes instead of V·h·4/t."""
     if s.tp == 1 or not s.first:
         return 0.0
-    return 4 * s.cfg.vocab * s.cfg.dim * (1 - 1 / s.tp)
+    return 4 * s.model.vocab * s.model.dim * (1 - 1 / s.tp)
 
 
 def _sizes(s: Setup) -> dict[str, float]:
     """Bytes that do not depend on the moment: per-block activations, weight copies, gathered units, gradients."""
-    cfg, p = s.cfg, s.precision
+    pm, p = s.model, s.precision
     st = states(s)
     unit = 2 if p.bf16 else 4  # zero3 gathers bf16 parameters under bf16
     blocks = [q for q in s.params if q.layer is not None]
@@ -234,19 +237,19 @@ def _sizes(s: Setup) -> dict[str, float]:
     g = s.grad_bytes if s.whole_step else 4
     # autocast's bf16 weight copies, saved by the matmuls: the head's, and the blocks' unless a checkpoint
     # drops them (recompute casts again in the backward); one set per microbatch in flight
-    matrices = sum(local_numel(q, s.tp) for q in s.params if q.is_matrix and q.part != "embed"
+    matrices = sum(local_numel(q, s.tp, s.ep) for q in s.params if q.is_matrix and q.part != "embed"
                    and (q.part == "head" or s.recompute == "none"))
     return st | {
-        "block": act.block_bytes(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
-        "wgrad": act.weight_grad_inputs(cfg, s.micro_batch, p, s.tp, s.sp),
-        "head_per": act.on_rank(act.head_terms(cfg, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
-        "ws": act.working_set(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "block": act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "wgrad": act.weight_grad_inputs(pm, s.micro_batch, p, s.tp, s.sp),
+        "head_per": act.on_rank(act.head_terms(pm, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
+        "ws": act.working_set(pm, s.micro_batch, s.recompute, p, s.tp, s.sp),
         "casts": 2 * matrices if p.casts else 0.0,
         "full_grads": g * _elems(s, lambda q: True),
-        "u_blk": unit * sum(local_numel(q, s.tp) for q in per_block) if zero3 else 0.0,
-        "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard)[1] for q in per_block) if zero3 else 0.0,
-        "u_root": unit * sum(local_numel(q, s.tp) for q in s.params if q.layer is None) if zero3 else 0.0,
-        "g_blk": g * sum(local_numel(q, s.tp) for q in per_block),
+        "u_blk": unit * sum(local_numel(q, s.tp, s.ep) for q in per_block) if zero3 else 0.0,
+        "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard, s.ep)[1] for q in per_block) if zero3 else 0.0,
+        "u_root": unit * sum(local_numel(q, s.tp, s.ep) for q in s.params if q.layer is None) if zero3 else 0.0,
+        "g_blk": g * sum(local_numel(q, s.tp, s.ep) for q in per_block),
         "cp_bwd": _context_buffers(s),
     }
 
@@ -257,11 +260,10 @@ def _context_buffers(s: Setup) -> float:
     K/V stacks; Ulysses: the all-to-all's send and receive copies of q, k and v's gradients."""
     if s.cp == 1:
         return 0.0
-    cfg = s.cfg
-    tok = cfg.seq_len * s.micro_batch  # cfg is already this rank's share of the sequence
-    head_dim = cfg.dim // cfg.heads
-    kv = tok * max(cfg.n_kv_heads, s.cp if s.cp_kind == "ulysses" else 1) * head_dim / s.tp
-    q = tok * cfg.dim / s.tp
+    pm = s.model
+    tok = pm.seq_len * s.micro_batch  # the model's seq_len is already this rank's share of the sequence
+    kv = tok * max(pm.kv_heads, s.cp if s.cp_kind == "ulysses" else 1) * pm.head_dim / s.tp
+    q = tok * pm.dim / s.tp
     if s.cp_kind == "ring":
         return 4 * q + 3 * 2 * 4 * kv + 2 * 2 * 4 * kv
     return 2 * 4 * (q + 2 * kv)
@@ -269,8 +271,8 @@ def _context_buffers(s: Setup) -> float:
 
 def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     """The candidate peaks when one backward starts in moment `m`."""
-    cfg, p, st = s.cfg, s.precision, z
-    sbh, e = cfg.seq_len * s.micro_batch * cfg.dim, p.e
+    pm, p, st = s.model, s.precision, z
+    sbh, e = pm.seq_len * s.micro_batch * pm.dim, p.e
     # a microbatch between its B and its W keeps its weights' output gradients; under selective recompute also
     # what B recomputed (ws: the whole block less the kept matmul outputs), which the reusable cache hands W;
     # full recompute drops it after B and W recomputes the block again (measured on one block, tests/test_plan_families)
@@ -281,7 +283,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     acts = s.layers * (m.held * z["block"] + m.pending_w * pending) + max(outputs, 0.0)
     head_per = z["head_per"]
     head = head_per * m.head
-    lg = act.logits_bytes(cfg, s.micro_batch, s.tp, s.holds_logits)
+    lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits)
     n_others = max(m.head - 1, 0) if m.at_loss else m.head  # other microbatches the last stage holds
     # their saved log-softmax, and the logits' gradient of each microbatch whose weight-gradient pass waits
     others = lg["other"] * n_others + lg["grad"] * m.pending_w if s.last else 0.0
@@ -291,7 +293,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)
     base = dict(params=st["params"] + st.get("whole_params", 0.0), optimizer=st["optimizer"])
-    head_w = (s.grad_bytes if s.whole_step else 4) * cfg.vocab * cfg.dim / s.tp if s.last and not cfg.tie_embeddings else 0.0
+    head_w = (s.grad_bytes if s.whole_step else 4) * pm.vocab * pm.dim / s.tp if s.last and not pm.tied else 0.0
     # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
     u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
     out = []
@@ -305,7 +307,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
                              logits=others + lg["after"], buffers=other + autocast + 4 * sbh + st["bucket"], **base))
     if s.layers:
         ws = z["ws"]
-        tmp = 4 * sbh + 2 * e * cfg.seq_len * s.micro_batch * cfg.ffn_dim / s.tp  # gradients flowing through the block
+        tmp = 4 * sbh + 2 * e * pm.seq_len * s.micro_batch * pm.mlp_width / s.tp  # gradients flowing through the block
         # this block's new gradients; the head's stay too where nothing takes them away before the step (a first
         # microbatch's .grad, zero3's root unit, reduced only after the embedding at the end of the backward)
         new = g_blk + (head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0)
@@ -381,11 +383,11 @@ def _rollback_redo(s: Setup, st: dict[str, float], other: float) -> Point:
     and optimizer state) and the step's gradients; the worst moment is a redo at the validation point, an
     optimizer step (zero1/2: then its parameter all-gather) with the snapshot alive and the warm-up forwards'
     activations held. Counted whether or not a redo happens (a plan must fit the step that clips)."""
-    cfg, p = s.cfg, s.precision
-    sbh = cfg.seq_len * s.micro_batch * cfg.dim
+    pm, p = s.model, s.precision
+    sbh = pm.seq_len * s.micro_batch * pm.dim
     forwards = s.validation_held * s.chunks  # first-chunk forwards before the point, each 1/chunks of the blocks
     outputs = forwards * p.r * sbh / (s.tp if s.sp else 1)  # each one's output, kept for its backward
-    acts = s.layers * s.validation_held * act.block_bytes(cfg, s.micro_batch, s.recompute, p, s.tp, s.sp) + outputs
+    acts = s.layers * s.validation_held * act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp) + outputs
     return Point("post-validation redo", params=2 * st["params"], optimizer=2 * st["optimizer"],
                  grads=st["grad_step"], activations=acts, logits=0.0,
                  buffers=other + max(st["opt_temp"], _all_gather_buffers(s, st)))
@@ -398,7 +400,7 @@ def _first_reduce_scatter(s: Setup, st: dict[str, float], base: dict, other: flo
     copies its input for the length of the collective) are alive with the persistent gradients."""
     first, shards = st["first_bucket"], s.dp_shard
     grads = st["grad_persistent"] + first / shards + (first if s.mode == "zero2" else 0.0) + st["completing_grad"]
-    acts = st["blocks_after_first_bucket"] * act.block_bytes(s.cfg, s.micro_batch, s.recompute, s.precision, s.tp, s.sp)
+    acts = st["blocks_after_first_bucket"] * act.block_bytes(s.model, s.micro_batch, s.recompute, s.precision, s.tp, s.sp)
     return Point("gradient reduce-scatter", grads=grads, activations=acts, logits=0.0,
                  buffers=other + (first if s.gloo else 0.0), **base)
 

@@ -30,8 +30,9 @@ def schedule_options(run) -> Options:
     from trainer.plan.split import stage_counts
     from trainer.parallel.pipeline.schedules import SCHEDULES
     from trainer.plan.flops import block_pass_flops, head_pass_flops
+    from trainer.plan.model import plan_of
 
-    p, cfg = run.manifest.parallel, run.manifest.model
+    p = run.manifest.parallel
     if p.pp == 1 or not SCHEDULES.get(p.schedule.value).options:
         return ()
     limit = ("max_inflight", p.max_inflight or p.pp)
@@ -39,8 +40,9 @@ def schedule_options(run) -> Options:
         c = p.schedule_costs
         return (("costs", Costs(tuple(c.f), tuple(c.b), tuple(c.w), c.comm)), limit)
     counts = stage_counts(run)
-    blk = block_pass_flops(cfg, run.manifest.train.activation_checkpointing.value, True)
-    head, last = head_pass_flops(cfg), len(counts) - 1
+    pm = plan_of(run.manifest.model)
+    blk = block_pass_flops(pm, run.manifest.train.activation_checkpointing.value, True)
+    head, last = head_pass_flops(pm), len(counts) - 1
     per = [tuple(float(n * getattr(blk, k) + (getattr(head, k) if s == last else 0.0)) for s, n in enumerate(counts))
            for k in ("f", "b", "w")]
     scale = max(per[0]) or 1.0  # relative costs: the slowest forward is 1

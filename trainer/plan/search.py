@@ -35,6 +35,7 @@ from trainer.manifest.validate import validate_schema
 from trainer.plan.split import stage_counts
 from trainer.plan.devices import Device, get_device, usable_bytes
 from trainer.plan.estimate import Estimate, estimate, fits_memory
+from trainer.plan.model import PlanModel, plan_of
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
 RECOMPUTE = ("none", "selective", "full")
@@ -92,11 +93,11 @@ def _validate(tree: SourceTree, overrides: Sequence[str], source: str) -> Resolv
         return None
 
 
-def _plausible(cfg, tp: int, pp: int, v: int, microbatches: int, schedule: str) -> bool:
+def _plausible(pm: PlanModel, tp: int, pp: int, v: int, microbatches: int, schedule: str) -> bool:
     """Arithmetic every layout must pass (a cheap filter before the real validation, which decides)."""
-    if cfg.heads % tp or cfg.n_kv_heads % tp or cfg.vocab % tp or cfg.ffn_dim % tp or cfg.seq_len % tp:
+    if pm.tp_multiple % tp or pm.seq_len % tp:  # heads, kv heads and every tensor-parallel dim; the sequence
         return False
-    if cfg.layers < pp * v:
+    if pm.layers < pp * v:
         return False
     if pp > 1 and (microbatches < pp or (schedule == "interleaved-1f1b" and microbatches % pp)):
         return False
@@ -139,11 +140,12 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
     """Every layout to try, as --set overrides (the world first, then the parallel degrees and the batch)."""
     m = base.manifest
     cfg, g = m.model, base.batch.global_batch
+    pm = plan_of(cfg)
     world = _world(base, gpus, device)
     if world is None:
         return
     for tp in [t for t in _divisors(gpus) if t <= min(MAX_TP, device.gpus_per_node)]:
-        for pp in [p for p in _divisors(gpus // tp) if cfg.layers >= p]:
+        for pp in [p for p in _divisors(gpus // tp) if pm.layers >= p]:
             dp = gpus // (tp * pp)
             if g % dp:
                 continue
@@ -155,9 +157,9 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
                 for shard in sorted(s for s in shards if dp % s == 0):
                     for name, v in schedules:
                         for mb in [d for d in _divisors(g // dp) if d <= 64]:
-                            if not _plausible(cfg, tp, pp, v, g // (mb * dp), name):
+                            if not _plausible(pm, tp, pp, v, g // (mb * dp), name):
                                 continue
-                            for rc, split in itertools.product(RECOMPUTE, _splits(cfg.layers, pp, v)):
+                            for rc, split in itertools.product(RECOMPUTE, _splits(pm.layers, pp, v)):
                                 yield world + [
                                     f"parallel.dp_replicate={dp // shard}", f"parallel.dp_shard={shard}",
                                     f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",

@@ -4,8 +4,9 @@
     stage_counts(run)                  # uniform (stage_layers: null), as listed, or balanced
 
 The one answer the runtime, `mantra dry-run` and `mantra plan` all read, so the three show the same
-split. `balanced` weighs each chunk with the plan's FLOP model (flops.py) and hands the counts to the
-model-free algorithm in trainer/parallel/pipeline/balance.py (its docstring explains the choice).
+split. `balanced` weighs each chunk with the plan's FLOP model (flops.py, over the kind's PlanModel) and
+hands the counts to the model-free algorithm in trainer/parallel/pipeline/balance.py (its docstring
+explains the choice); a kind without a PlanModel runs uniform or listed splits only.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ if TYPE_CHECKING:
 
 
 def costs_for(cfg: ModelSection, recompute: str = "none", split_backward: bool = False) -> ChunkCosts:
-    """The plan's FLOP model (trainer/plan/flops.py) for one token, forward + backward (module docstring)."""
+    """The plan's FLOP model (trainer/plan/flops.py) for one token, forward + backward (module docstring),
+    over the kind's PlanModel (trainer/plan/model.py; NoPlanModel for a kind without one)."""
     from trainer.plan.flops import block_pass_flops, head_pass_flops
+    from trainer.plan.model import plan_of
 
-    block = block_pass_flops(cfg, recompute, split_backward).total
-    return ChunkCosts(block=block, embed=0.0, head=head_pass_flops(cfg).total)
+    pm = plan_of(cfg)
+    block = block_pass_flops(pm, recompute, split_backward).total
+    return ChunkCosts(block=block, embed=0.0, head=head_pass_flops(pm).total)
 
 
 def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: ModelSection,
@@ -38,8 +42,10 @@ def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: M
     from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
     from trainer.parallel.pipeline.simulate import Costs, simulate_ranks
     from trainer.plan.flops import block_pass_flops, head_pass_flops
+    from trainer.plan.model import plan_of
 
-    blk, head = block_pass_flops(cfg, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(cfg)
+    pm = plan_of(cfg)
+    blk, head = block_pass_flops(pm, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(pm)
     lists = compute_order(schedule, layout.pp, microbatches, layout.virtual_stages)
 
     def makespan(counts: Sequence[int]) -> float:

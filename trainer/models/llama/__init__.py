@@ -35,6 +35,13 @@ def parallelize(model: nn.Module, run, mesh, device) -> ModelParts:
     return parallelize_llama(model, run, mesh, device)
 
 
+def plan_model(cfg: ModelSection):
+    """The trainer.plan.model.PlanModel `mantra plan` reads (imported on use: validate loads no planner)."""
+    from trainer.models.llama import plan
+
+    return plan.plan_model(cfg)
+
+
 def keep_stages(model: nn.Module, layout, pp_rank: int, split: list[list[int]]) -> None:
     from trainer.models.llama.pipeline import keep_stages as keep
 
@@ -62,5 +69,6 @@ def llama_spec() -> ModelSpec:
         flops_per_token=config.flops_per_token,
         parallelize=parallelize,
         pipeline=PipelineSpec(keep_stages=keep_stages, activation_shape=activation_shape),
+        plan=plan_model,
         hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
     )
