@@ -3,7 +3,8 @@
 Builds the model once on the meta device (no memory, no GPU), then prints one
 row per rank (of a world over 64 ranks, its data-parallel rank 0s): its mesh
 coordinates, the layers it holds and the parameters it holds, and the exact
-command `mantra run` would start.
+command `mantra run` would start. With expert parallel (ep > 1) two more columns: the
+rank's place in its ep group (which E/ep experts it holds) and in its expert-dp group.
 """
 
 from __future__ import annotations
@@ -99,9 +100,13 @@ def rank_rows(run: Resolved, ranks: list[int] | None = None) -> list[RankRow]:
         for name, count in kept[c["pp"]].items():
             if p.tp > 1 and not name.endswith("norm.weight"):
                 count //= p.tp
+            if layout.ep > 1 and name.rsplit(".", 2)[-2:-1] == ["experts"]:  # an MoE's stacked experts: E/ep here
+                count //= layout.ep
             if p.optimizer_sharding == Sharding.zero3:
                 count = -(-count // run.dp_shard)
             total += count
+        if layout.ep > 1:
+            c = c | layout.expert_coords(rank)
         rows.append(RankRow(rank, layout.label(rank), c, held, total))
     return rows
 
@@ -130,6 +135,8 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
     console.print(
         f"[bold]{m.name}[/bold]: world {run.world_size} = "
         + " x ".join(f"{n} {v}" for n, v in zip(DIM_NAMES, (m.parallel.pp, run.dp_replicate, run.dp_shard, m.parallel.cp, m.parallel.tp)))
+        + (f"; ep {run.layout.ep} carved from dp·cp {run.dp * m.parallel.cp} (expert-dp {run.dp * m.parallel.cp // run.layout.ep})"
+           if run.layout.ep > 1 else "")
     )
     console.print(
         f"batch: global {b.global_batch} = micro {b.micro_batch} x microbatches {b.microbatches} x dp {run.dp}; "
@@ -138,13 +145,14 @@ def print_dry_run(run: Resolved, console: Console | None = None) -> None:
     table = Table(title="ranks")
     table.add_column("rank", justify="right")
     table.add_column("label")
-    for name in DIM_NAMES:
+    columns = DIM_NAMES + (("ep", "edp") if run.layout.ep > 1 else ())
+    for name in columns:
         table.add_column(name, justify="right", min_width=len(name))
     table.add_column("layers")
     table.add_column("params", justify="right")
     ranks = shown_ranks(run.layout)
     for row in rank_rows(run, ranks):
-        table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in DIM_NAMES), spans(row.layers), f"{row.params:,}")
+        table.add_row(str(row.rank), row.label, *(str(row.coords[n]) for n in columns), spans(row.layers), f"{row.params:,}")
     console.print(table)
     if len(ranks) < run.world_size:
         console.print(f"{run.world_size - len(ranks):,} more ranks not shown: each holds what the rank with its pp, cp "

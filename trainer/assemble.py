@@ -69,7 +69,7 @@ def build_grad_sync(parts: ModelParts, run: Resolved, mesh, device: torch.device
 
     return BucketSync(model, p.optimizer_sharding.value, mesh, device, make_optimizer,
                       bucket_bytes=int(p.bucket_mb * 2**20), comm_dtype=reduce_dtype(run),
-                      stages=parts.stages, tie=parts.tie)
+                      stages=parts.stages, tie=parts.tie, experts=parts.experts)
 
 
 def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, device: torch.device, cost=None):

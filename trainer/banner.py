@@ -45,6 +45,8 @@ def layout_words(run: Resolved) -> str:
         words.append(f"schedule {p.schedule.value}{chunks}")
     if p.tp > 1 and p.sequence_parallel:
         words.append("sequence parallel")
+    if run.layout.ep > 1:
+        words.append(f"expert parallel ep {run.layout.ep} (carved from dp·cp)")
     words.append(f"optimizer sharding {p.optimizer_sharding.value}"
                  + (f" over dp_shard {run.dp_shard}" if p.optimizer_sharding != Sharding.none and run.dp_shard > 1 else ""))
     return "; ".join(words)

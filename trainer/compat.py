@@ -58,6 +58,7 @@ APIS = {
                           "FSDPState._state_ctx.all_states, ._fsdp_param_group (2.11) / ._fsdp_param_groups "
                           "(2.12+), FSDPParamGroup.post_backward, FSDPState._root_post_backward_final_callback"),
     "mesh_flatten": Api("any layout of more than one rank (the flattened dp mesh)", "DeviceMesh._flatten"),
+    "mesh_unflatten": Api("expert parallel (the ep and expert-dp meshes carved out of dp x cp)", "DeviceMesh._unflatten"),
     "foreach": Api("gradient norms and clipping", "torch._foreach_norm, torch._foreach_mul_",
                    otherwise="a loop of torch.linalg.vector_norm and mul_"),
     "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*",
@@ -296,6 +297,16 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
         raise _unsupported("mesh_flatten", "DeviceMesh._flatten")
     RESOLVED.append("DeviceMesh._flatten")
     return flatten(mesh_dim_name=name)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A 1-D mesh split into len(sizes) dimensions (dp x cp -> edp x ep), outermost first; the result shares
+    the root mesh, so FSDP2 can concatenate its dimensions with a DTensor's (experts sharded over ep)."""
+    unflatten = getattr(mesh, "_unflatten", None)
+    if unflatten is None:
+        raise _unsupported("mesh_unflatten", "DeviceMesh._unflatten")
+    RESOLVED.append("DeviceMesh._unflatten")
+    return unflatten(0, tuple(sizes), tuple(names))
 
 
 # -- foreach kernels --------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     m = run.manifest
     memory = RunMemory.start(run, info.rank, device)  # logging.memory: tensors, from before the model is built
     layout = run.layout
-    mesh = build_mesh(layout.sizes, device)
+    mesh = build_mesh(layout.sizes, device, ep=layout.ep)  # ep: the ep and expert-dp groups, carved from dp x cp
     torch.manual_seed(m.train.seed)
     parts = build_parts(run, mesh, device)  # the model, and under pp this rank's stage modules
     model = parts.model

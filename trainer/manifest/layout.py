@@ -7,6 +7,13 @@ dry-run` shows what the run will do.
 
     >>> Layout(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2).coords(5)
     {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 1}
+
+Expert parallel is no dimension of its own (the world size is the same with any ep): the dp x cp ranks
+(replicate-major, then shard, then cp) split into groups of `ep` consecutive ones, the ep group, and the
+ranks at the same place in every ep group hold the same experts, the expert-dp group (trainer/parallel/mesh.py).
+
+    >>> Layout(dp_shard=4, ep=2).expert_coords(3)
+    {'ep': 1, 'edp': 1}
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel, carved from dp x cp (module docstring): not in DIM_NAMES, not in the world size
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,8 +66,18 @@ class Layout:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def dp_cp_rank(self, rank: int) -> int:
+        """Position in the flattened dp x cp group (replicate, shard, cp; cp innermost)."""
+        return self.dp_rank(rank) * self.cp + self.coords(rank)["cp"]
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """{'ep': rank in its ep group (which E/ep experts it holds), 'edp': rank among those holding them}."""
+        at = self.dp_cp_rank(rank)
+        return {"ep": at % self.ep, "edp": at // self.ep}
+
     def label(self, rank: int) -> str:
         """A readable name such as `PP2-DP2-TP2-rank3` (degrees of 1 left out)."""
         parts = [f"PP{self.pp}" if self.pp > 1 else "", f"DP{self.dp}" if self.dp > 1 else "",
-                 f"CP{self.cp}" if self.cp > 1 else "", f"TP{self.tp}" if self.tp > 1 else ""]
+                 f"CP{self.cp}" if self.cp > 1 else "", f"TP{self.tp}" if self.tp > 1 else "",
+                 f"EP{self.ep}" if self.ep > 1 else ""]
         return "-".join([p for p in parts if p] + [f"rank{rank}"])

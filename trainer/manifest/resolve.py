@@ -54,7 +54,8 @@ class Resolved:
     def layout(self) -> Layout:
         """Every rank's (pp, dp_replicate, dp_shard, cp, tp) coordinate; the mesh uses the same order."""
         p = self.manifest.parallel
-        return Layout(pp=p.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=p.cp, tp=p.tp)
+        return Layout(pp=p.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=p.cp, tp=p.tp,
+                      ep=getattr(p, "ep", 1))
 
     @property
     def grad_accum(self) -> int:

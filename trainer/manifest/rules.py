@@ -233,6 +233,27 @@ def recompute_with_split_backward(m: Manifest) -> Iterator[Finding]:
 
 
 @rule
+def expert_parallel_degree(m: Manifest) -> Iterator[Finding]:
+    """ep is carved from the dp x cp ranks (trainer/parallel/mesh.py); the kind checks experts % ep."""
+    ep = getattr(m.parallel, "ep", 1)
+    if ep == 1:
+        return
+    if getattr(m.model, "experts", None) is None:
+        yield Finding("parallel.ep", f"{ep} shards experts, but model.kind {m.model.kind} has none; set ep: 1 "
+                      "or use an MoE model kind")
+        return
+    try:
+        replicate, shard = derive_dp(m)
+    except Unresolvable:
+        return  # reported by degrees_match_world
+    data = replicate * shard * m.parallel.cp
+    if data % ep:
+        yield Finding("parallel.ep", f"{ep} does not divide the data-parallel ranks the experts are carved from, "
+                      f"dp_replicate·dp_shard·cp = {replicate}·{shard}·{m.parallel.cp} = {data}; use ep "
+                      f"{_divisors(data)}, or more data-parallel ranks")
+
+
+@rule
 def sharding_degree(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     if p.optimizer_sharding == Sharding.none and p.dp_shard > 1:

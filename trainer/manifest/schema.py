@@ -210,6 +210,12 @@ class ParallelSection(Section):
         "or ring (K/V blocks passed round the cp ranks; causal zigzag split, seq_len % (2*cp) == 0)",
     )
     tp: PositiveInt = Field(1, description="tensor-parallel degree", le=MAX_DEGREE)
+    ep: PositiveInt = Field(
+        1, description="expert-parallel degree (MoE kinds): each MoE layer's experts sharded over ep ranks carved "
+        "from the data-parallel ranks (ep divides dp_replicate·dp_shard·cp; the world size is unchanged), tokens "
+        "moved to them by all-to-all; expert gradients reduce over the dp·cp/ep ranks holding the same experts",
+        le=MAX_DEGREE,
+    )
     sequence_parallel: bool = Field(False, description="Megatron sequence parallel inside the tp group")
     pp: PositiveInt = Field(1, description="pipeline-parallel degree", le=MAX_PP)
     schedule: Schedule = Field(Schedule.one_f_one_b, description="pipeline schedule")

@@ -22,6 +22,8 @@ def needed_apis(m: Manifest) -> Iterator[tuple[str, str]]:
     split_backward = p.pp > 1 and SCHEDULES.get(p.schedule.value).split_backward
     if p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp > 1:
         yield "parallel", "mesh_flatten"
+    if getattr(p, "ep", 1) > 1:
+        yield "parallel.ep", "mesh_unflatten"
     if recompute != "none":
         yield "train.activation_checkpointing", "checkpoint_wrapper"
     if recompute == "selective" and split_backward:

@@ -43,6 +43,18 @@ Usage (one MoE layer; `w1, w2, w3` stacked [E, ...] and identical on every rank 
         return torch.cat([(F.silu(p @ w1[j]) * (p @ w3[j])) @ w2[j] for j, p in enumerate(pieces)])
 
     y_sorted = dispatch.run(x_sorted, counts, experts_fn)  # = experts_fn over all E experts, one process
+
+In a model (what a model kind's parallelize does, on the meta device, before FSDP and the seeded init):
+
+    for layer in moe_layers:
+        apply_expert_parallel(layer, mesh["ep"])    # layer.experts -> ExpertParallel: E/ep experts, same forward
+    parts = ModelParts(model, ..., experts=expert_parameter_names(model))  # the sync reduces them over mesh.edp
+    apply_fsdp(blocks, roots, mesh.fsdp_mesh(), experts=[ExpertParallel modules], expert_mesh=mesh["edp"])  # zero3
+
+The expert weights stay parameters of the whole model's FQNs, as DTensors sharded Shard(0) over the ep
+mesh (global shape [E, ...]): the seeded init draws each full tensor and keeps this rank's block, and a
+checkpoint (DCP) reshards to any other ep, or to none. Under tensor parallel the experts are replicated over
+tp (each tp rank runs the same tokens through them, in its own ep group); only the dense parts are tp-sharded.
 """
 
 from __future__ import annotations
@@ -51,6 +63,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from trainer.parallel.names import canonical_name
 
 
 def expert_range(experts: int, ep_rank: int, ep: int) -> range:
@@ -153,3 +170,83 @@ class AllToAllDispatch:
         by_expert = [list(column) for column in zip(*sizes)]  # [local expert][source]
         y_recv = _regroup(y_local, by_expert) if local > 1 else y_local  # by (source, expert) again
         return all_to_all(y_recv, input_splits, output_splits, self.group)
+
+
+# -- the experts module of an MoE layer, sharded over ep -------------------------------------------------
+
+class ExpertParallel(nn.Module):
+    """This rank's E/ep experts of a stacked-experts module, behind the same forward(x_sorted, counts [E]).
+
+    Built from the layer's experts module (`inner`: parameters stacked [E, ...] along dim 0, forward
+    (x_sorted, counts [E_held]) -> y_sorted), which it keeps unregistered as the compute. Its parameters
+    have the inner module's names (so the model's FQNs, the seeded init and the checkpoints stay the whole
+    model's) and are DTensors sharded Shard(0) over the ep mesh: global shape [E, ...], this rank's block
+    of experts as the local tensor. forward sends the rows to their experts' ranks (AllToAllDispatch), runs
+    the inner module there on the local tensors (torch.func.functional_call), and brings the outputs back.
+
+    Under FSDP2 (zero3) the same parameters are further sharded over the expert-dp mesh; FSDP all-gathers
+    them to these ep-sharded DTensors before forward, which is all forward reads.
+    """
+
+    def __init__(self, inner: nn.Module, ep_mesh: DeviceMesh):
+        super().__init__()
+        named = list(inner.named_parameters(recurse=False))
+        if not named or list(inner.children()):
+            raise ValueError(f"{type(inner).__name__}: expert parallel shards a module of stacked parameters "
+                             "and no submodules")
+        experts = {q.shape[0] for _, q in named}
+        if len(experts) != 1:
+            raise ValueError(f"{type(inner).__name__}: parameters stacked over different expert counts {sorted(experts)}")
+        self.num_experts = experts.pop()
+        self.dispatch = AllToAllDispatch(ep_mesh.get_group(), self.num_experts)  # validates E % ep
+        self._inner = (inner,)  # a tuple: not a submodule, so no FQN of its own and no second copy of the weights
+        self._names = [n for n, _ in named]
+        for name, q in named:
+            local = torch.empty((self.dispatch.local_experts, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=q.shape,
+                                       stride=torch.empty(q.shape, device="meta").stride())
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=q.requires_grad))
+
+    @property
+    def inner(self) -> nn.Module:
+        return self._inner[0]
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = {name: _local(getattr(self, name)) for name in self._names}
+
+        def experts_fn(x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.inner, weights, (x, local_counts))
+
+        return self.dispatch.run(x_sorted, counts, experts_fn)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, ep={self.dispatch.ep}, held={list(self.dispatch.local)}"
+
+
+def _local(q: torch.Tensor) -> torch.Tensor:
+    """The local tensor of an ep-sharded parameter (differentiable: its gradient comes back a DTensor)."""
+    return q.to_local() if isinstance(q, DTensor) else q
+
+
+def apply_expert_parallel(moe_layer: nn.Module, ep_mesh: DeviceMesh | None, attr: str = "experts") -> None:
+    """Shard `moe_layer.<attr>` (stacked experts) over `ep_mesh`: swap it for an ExpertParallel that holds
+    this rank's E/ep experts. Call on the meta device, before FSDP and before the seeded init (which draws
+    each full [E, ...] tensor and copies this rank's slice: distribute_tensor onto the DTensor's placements).
+    A 1-rank or absent mesh changes nothing."""
+    if ep_mesh is None or ep_mesh.size() == 1:
+        return
+    experts = getattr(moe_layer, attr)
+    if isinstance(experts, ExpertParallel):
+        raise ValueError(f"{type(moe_layer).__name__}.{attr} is already expert-parallel")
+    setattr(moe_layer, attr, ExpertParallel(experts, ep_mesh))
+
+
+def expert_parameter_names(model: nn.Module) -> frozenset[str]:
+    """The canonical FQNs of the parameters `apply_expert_parallel` sharded over ep: what ModelParts.experts
+    holds, so the gradient sync reduces them over the expert-dp group only."""
+    out = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, ExpertParallel):
+            for name, _ in module.named_parameters(recurse=False):
+                out.add(canonical_name(f"{module_name}.{name}" if module_name else name))
+    return frozenset(out)

@@ -25,3 +25,6 @@ class ModelParts:
     model: nn.Module  # this rank's model: whole-model FQNs, only the parts its stages run under pp
     stages: Mapping[int, nn.Module] | None = None  # pp > 1: this rank's virtual stages by index, in local order
     tie: TiedWeights | None = None  # pp > 1 with tied embeddings: the weight's copies on the first and last stage
+    # ep > 1: canonical FQNs of the expert-parallel parameters (trainer.parallel.expert.expert_parameter_names):
+    # their gradients reduce over the expert-dp group only, their norm sums over the ep ranks
+    experts: frozenset[str] = frozenset()

@@ -7,6 +7,10 @@
     zero_state.py  BucketSync's checkpoint state in the layout-free form every GradSync uses
     fsdp.py        zero3 through FSDP2 (`apply_fsdp`, FSDPSync)
 
+Expert parallel (ep > 1, ModelParts.experts): BucketSync gives the expert weights a second reducer over the
+expert-dp group (mesh.edp), apply_fsdp makes each expert module an FSDP unit over it; both divide by dp x cp,
+and every gradient norm counts each expert once (summed over ep, not over its expert-dp copies).
+
 Which one a run gets is decided above this folder (trainer/assemble.py, from the manifest); nothing
 here reads a manifest or knows a model.
 """

@@ -43,13 +43,29 @@ from trainer.parallel.memory import tensor_bytes
 
 def apply_fsdp(blocks: Iterable[torch.nn.Module], roots: Iterable[torch.nn.Module], dp_mesh, *,
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, experts: Iterable[torch.nn.Module] = (),
+               expert_mesh=None) -> None:
     """FSDP2 on each of `blocks` (its own unit), then on each of `roots` (the model, or under pp this rank's
     stage modules, which own what no block holds: embedding, final norm, head). `dp_mesh`: the (1-D, or
     2-D replicate x shard for HSDP) mesh parameters are sharded over. `param_dtype` None computes in the
     parameters' dtype. Under pp pass reshard_after_forward=False: a stage keeps its parameters whole for
-    the step (module docstring)."""
+    the step (module docstring).
+
+    `experts` (expert parallel): the ExpertParallel modules (trainer.parallel.expert), each first made a
+    unit of its own over `expert_mesh`, the expert-dp mesh (mesh.edp): their ep-sharded weights are
+    sharded again over the ranks holding the same experts, and their gradients reduce-scattered there
+    only, divided by dp_mesh's size like every other gradient (an expert's gradient on its owner already
+    sums the tokens of its ep group, so the expert-dp sum covers the whole batch)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    experts = list(experts)
+    if experts and expert_mesh is None:
+        raise ValueError("apply_fsdp: expert modules given without their expert-dp mesh")
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(float(dp_mesh.size()))
+        if expert_mesh.size() > 1:  # a sum, then the division: gloo has no PREMUL_SUM. Not on one rank, where
+            # FSDP (2.11-2.13) copies the gradient divided by the factor and then divides it by it once more
+            module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for root in roots:

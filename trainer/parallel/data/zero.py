@@ -22,6 +22,15 @@ owns everything and nothing is gathered.
 
 Fp32 Adam, bytes per parameter at the step boundary (params + grads + states):
 none 4 + 4 + 8 = 16;  zero1 4 + 4 + 8/d;  zero2 4 + 4/d + 8/d  (zero3, FSDP2: 16/d).
+
+Expert parallel (`experts`: the FQNs of the ep-sharded expert weights, trainer.parallel.expert): those
+parameters get a reducer of their own over the expert-dp group (mesh.edp, the ranks that hold the same
+experts): none all-reduces them there, zero1/zero2 reduce-scatter them there and shard their optimizer
+states over it (Megatron's expert DistributedOptimizer: the whole expert-dp group, across replicas too).
+Both reducers divide by dp x cp, so the result equals one process on the global batch (an expert's gradient
+on its owner already sums every token of its ep group). The gradient norm counts each expert element
+once: squares summed over the expert-dp shards and then over the ep ranks (disjoint experts), never over
+their copies; tp-replicated experts are counted once.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from trainer.parallel.data import zero_state
 from trainer.parallel.data.buckets import Bucket, DPGroups, GradReducer
 from trainer.parallel.clip import clip_coef
 from trainer.parallel.memory import tensor_bytes
+from trainer.parallel.names import canonical_name
 
 if TYPE_CHECKING:
     from trainer.parallel.pipeline.tied import TiedWeights
@@ -59,6 +69,16 @@ def dp_groups(mesh, mode: str) -> DPGroups:
         replicate=replicate.get_group() if replicate.size() > 1 else None,
         dp=shard.size() * replicate.size(),
     )
+
+
+def expert_dp_groups(mesh, mode: str) -> DPGroups:
+    """The experts' groups (ep > 1): none all-reduces over the expert-dp group, zero1/2 shard over all of it;
+    either way divided by dp x cp, the ranks whose tokens reached the experts (module docstring)."""
+    edp, data = mesh["edp"], mesh["dp_cp"].size()
+    group = edp.get_group() if edp.size() > 1 else None
+    if mode == "none":
+        return DPGroups(1, 0, None, group, data)
+    return DPGroups(shards=edp.size(), shard_rank=edp.get_local_rank(), shard=group, replicate=None, dp=data)
 
 
 def all_gather_in_place(full: torch.Tensor, lo: int, hi: int, group: dist.ProcessGroup) -> dist.Work:
@@ -82,6 +102,17 @@ class OwnedSlice:
     tp_sharded: bool  # its elements are disjoint across the tp group (summed there for the norm)
 
 
+@dataclass
+class ReducerPart:
+    """One reducer of BucketSync and this rank's share of it: the dense parameters (reduced over dp x cp)
+    or the expert-parallel ones (over the expert-dp group, `ep_group` set: their norm also sums over ep)."""
+
+    reducer: GradReducer
+    groups: DPGroups
+    slices: dict[int, OwnedSlice]
+    ep_group: dist.ProcessGroup | None = None
+
+
 def _stage_scopes(named: list, stages: Mapping | None, tie) -> tuple[dict[int, list[int]] | None, list[int]]:
     """Under pp (`stages`: this rank's stage modules) one reducer scope per stage, {stage: indices into
     `named`}, and the tied weight as a solo bucket when its other copy is on another rank (tied.py)."""
@@ -99,24 +130,43 @@ class BucketSync:
     def __init__(self, model: torch.nn.Module, mode: str, mesh, device: torch.device,
                  make_optimizer: Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer],
                  bucket_bytes: int = 25 * 2**20, comm_dtype: torch.dtype = torch.float32,
-                 stages: Mapping[int, torch.nn.Module] | None = None, tie: TiedWeights | None = None):
+                 stages: Mapping[int, torch.nn.Module] | None = None, tie: TiedWeights | None = None,
+                 experts: frozenset[str] = frozenset()):
         """`mode` none | zero1 | zero2; `make_optimizer(named_params)` builds the optimizer (over the whole
         parameters: its groups are then pointed at this rank's slices); `comm_dtype` the dtype gradients
         are reduced in. `stages`, `tie` (pp > 1): this rank's stage modules, one reducer scope each, and its
-        tied weight's copies (trainer.parallel.parts.ModelParts)."""
+        tied weight's copies; `experts`: canonical FQNs of the ep-sharded parameters, reduced over the
+        expert-dp group (trainer.parallel.parts.ModelParts)."""
         self.mode = mode
         self.groups = dp_groups(mesh, self.mode)
         self.tp_group, self.pp_group = _group(mesh, "tp"), _group(mesh, "pp")
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        is_expert = [canonical_name(n) in experts for n, _ in named]
+        missed = [n for (n, q), e in zip(named, is_expert) if not e and isinstance(q, DTensor)
+                  and "ep" in (q.device_mesh.mesh_dim_names or ())]
+        if missed:  # an ep-sharded weight reduced over all of dp would add up different experts
+            raise ValueError(f"{missed[0]} is sharded over the ep mesh but not among the expert parameters; pass "
+                             "ModelParts(experts=trainer.parallel.expert.expert_parameter_names(model))")
+        if any(is_expert) and (mesh is None or mesh.ep is None):
+            raise ValueError("expert-parallel parameters given but the mesh has no ep group (build_mesh(..., ep=...))")
+        dense = [nq for nq, e in zip(named, is_expert) if not e]
         comm = comm_dtype
         self.tie = tie  # tied embeddings across pipeline stages, or None
-        scopes, solo = _stage_scopes(named[::-1], stages, self.tie)
-        self.reducer = GradReducer(named[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
+        scopes, solo = _stage_scopes(dense[::-1], stages, self.tie)
+        self.reducer = GradReducer(dense[::-1], self.mode, self.groups, bucket_bytes, device, comm, scopes, solo)
         tied = {id(q) for q in self.tie.params} if self.tie is not None else set()
         self.tied = [i for i, q in enumerate(self.reducer.params) if id(q) in tied]  # reducer indices of this rank's tied copy
-        self.slices = self._owned_slices()
+        self.slices = self._owned_slices(self.reducer, self.groups)
+        self.parts = [ReducerPart(self.reducer, self.groups, self.slices)]
+        expert_named = [nq for nq, e in zip(named, is_expert) if e]
+        if expert_named:  # their own buckets, groups and owned slices (module docstring)
+            groups = expert_dp_groups(mesh, self.mode)
+            scopes, _ = _stage_scopes(expert_named[::-1], stages, None)
+            reducer = GradReducer(expert_named[::-1], self.mode, groups, bucket_bytes, device, comm, scopes)
+            self.parts.append(ReducerPart(reducer, groups, self._owned_slices(reducer, groups, expert=True),
+                                          ep_group=mesh["ep"].get_group()))
         self.optimizer = make_optimizer(named)
-        by_param = {id(self.reducer.params[i]): s.param for i, s in self.slices.items()}
+        by_param = {id(part.reducer.params[i]): s.param for part in self.parts for i, s in part.slices.items()}
         for group in self.optimizer.param_groups:  # same groups and settings as one process, on the owned slices
             group["params"] = [by_param[id(q)] for q in group["params"] if id(q) in by_param]
         self._breakdown: dict[str, int] | None = None
@@ -124,20 +174,26 @@ class BucketSync:
     @property
     def hook_calls(self) -> dict[str, int]:
         """Times each parameter's gradient entered a bucket; exactly one per microbatch."""
-        return self.reducer.hook_calls
+        return {name: n for part in self.parts for name, n in part.reducer.hook_calls.items()}
 
-    def _owned_slices(self) -> dict[int, OwnedSlice]:
-        r = self.reducer
+    @property
+    def expert_part(self) -> ReducerPart | None:
+        """The experts' reducer and slices (ep > 1 and this rank holds experts), else None."""
+        return next((part for part in self.parts if part.ep_group is not None), None)
+
+    @staticmethod
+    def _owned_slices(r: GradReducer, groups: DPGroups, expert: bool = False) -> dict[int, OwnedSlice]:
         out: dict[int, OwnedSlice] = {}
         for b, bucket in enumerate(r.buckets):
             reduced = r.reduced(b)
-            for piece in bucket.owned(self.groups.shard_rank):
+            for piece in bucket.owned(groups.shard_rank):
                 flat = r.locals[piece.param].view(-1)
                 view = torch.nn.Parameter(flat[piece.start:piece.end], requires_grad=True)
                 if view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                     raise RuntimeError(f"optimizer slice of {r.names[piece.param]} does not share the parameter's storage")
                 q = r.params[piece.param]
-                sharded = isinstance(q, DTensor) and any(isinstance(pl, Shard) for pl in q.placements)
+                # experts are sharded over ep, not tp (replicated over tp: counted once)
+                sharded = not expert and isinstance(q, DTensor) and any(isinstance(pl, Shard) for pl in q.placements)
                 out[piece.param] = OwnedSlice(view, reduced[piece.at:piece.at + piece.end - piece.start], sharded)
         return out
 
@@ -145,16 +201,19 @@ class BucketSync:
     @contextlib.contextmanager
     def backward_context(self, last: bool, stage: int | None = None) -> Iterator[None]:
         """One backward; under pp one W/BW of pipeline stage `stage`, `last` its final one of the step."""
-        self.reducer.begin(last, stage)
+        for part in self.parts:
+            part.reducer.begin(last, stage)
         ok = False
         try:
             yield
             ok = True
         finally:
-            self.reducer.end(ok)
+            for part in self.parts:
+                part.reducer.end(ok)
 
     def finish_backward(self) -> None:
-        self.reducer.finish()
+        for part in self.parts:
+            part.reducer.finish()
         if self.tie is not None and self.tie.group is not None:  # sum the two holders' copies' gradients
             self.tie.sum_([self.reducer.reduced(self.reducer.where[i][0]) for i in self.tied])
 
@@ -171,7 +230,19 @@ class BucketSync:
 
     @torch.no_grad()
     def stage_norm_sq(self) -> torch.Tensor:
-        """This pipeline stage's squared gradient norm (float64), complete over the dp shards and tp."""
+        """This pipeline stage's squared gradient norm (float64), complete over the dp shards and tp (and
+        for experts over the expert-dp shards and ep)."""
+        total = self._dense_norm_sq()
+        for part in self.parts[1:]:
+            norms = compat.foreach_norm([s.grad for s in part.slices.values()]) if part.slices else []
+            sq = sum((n.double() ** 2 for n in norms), torch.zeros((), dtype=torch.float64)).to(part.reducer.device)
+            if part.groups.shard is not None:
+                dist.all_reduce(sq, group=part.groups.shard)
+            dist.all_reduce(sq, group=part.ep_group)  # each ep rank holds other experts
+            total = total + sq
+        return total
+
+    def _dense_norm_sq(self) -> torch.Tensor:
         sums = []
         # the last stage's copy of a tied weight: the first stage's counts (tied.py)
         uncounted = set(self.tied) if self.tie is not None and not self.tie.counted else set()
@@ -195,65 +266,71 @@ class BucketSync:
 
     @torch.no_grad()
     def scale_grads(self, coef: torch.Tensor) -> None:
-        grads = [s.grad for s in self.slices.values()]
+        grads = [s.grad for part in self.parts for s in part.slices.values()]
         if grads:
             compat.foreach_mul_(grads, coef)
 
     def rollback_tensors(self) -> list[torch.Tensor]:
         """What an optimizer step changes besides the optimizer's state: the whole local parameters."""
-        return list(self.reducer.locals)
+        return [t for part in self.parts for t in part.reducer.locals]
 
     def zero_grads(self) -> None:
-        self.reducer.zero_grads()
+        for part in self.parts:
+            part.reducer.zero_grads()
 
     def step(self, zero: bool = True) -> None:
         """The optimizer step on the owned slices, then whole parameters again; `zero=False` keeps the
         gradients (post-validation may redo the step with clipped ones)."""
-        for s in self.slices.values():  # rebind: someone may have zeroed .grad to None
-            s.param.grad = s.grad
+        for part in self.parts:
+            for s in part.slices.values():  # rebind: someone may have zeroed .grad to None
+                s.param.grad = s.grad
         self.optimizer.step()
         self._breakdown = self._measure()
-        if self.groups.shard is not None:
-            self._gather_params()
+        for part in self.parts:
+            if part.groups.shard is not None:
+                self._gather_params(part)
         if zero:
-            self.reducer.zero_grads()
+            self.zero_grads()
 
     def skip_step(self) -> None:
         """Parameters are whole and unchanged between steps: dropping the gradients is all a skip needs."""
-        self.reducer.zero_grads()
+        self.zero_grads()
 
     # -- after the step ------------------------------------------------------------------------
     @torch.no_grad()
-    def _gather_params(self) -> None:
+    def _gather_params(self, part: ReducerPart) -> None:
         """Every rank updated its own slices in place; all-gather each bucket's shards so every rank holds
         whole parameters again (pack the owned slices, gather, unpack), two buckets in flight."""
-        r, rank, queue = self.reducer, self.groups.shard_rank, []
+        r, rank, queue = part.reducer, part.groups.shard_rank, []
+        group = part.groups.shard
         for bucket in r.buckets:
             full = torch.zeros(bucket.size, dtype=torch.float32, device=r.device)
             lo, hi = bucket.shard_range(rank)
             for piece in bucket.owned(rank):
                 at = lo + piece.at
                 full[at:at + piece.end - piece.start].copy_(r.locals[piece.param].view(-1)[piece.start:piece.end])
-            queue.append((all_gather_in_place(full, lo, hi, self.groups.shard), full, bucket))
+            queue.append((all_gather_in_place(full, lo, hi, group), full, bucket))
             if len(queue) > 2:
-                self._unpack(*queue.pop(0))
+                self._unpack(r, *queue.pop(0))
         for entry in queue:
-            self._unpack(*entry)
+            self._unpack(r, *entry)
 
-    def _unpack(self, work: dist.Work, full: torch.Tensor, bucket: Bucket) -> None:
+    @staticmethod
+    def _unpack(r: GradReducer, work: dist.Work, full: torch.Tensor, bucket: Bucket) -> None:
         work.wait()
         for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-            self.reducer.locals[i].view(-1).copy_(full[off:off + n])
+            r.locals[i].view(-1).copy_(full[off:off + n])
 
     def _measure(self) -> dict[str, int]:
-        r = self.reducer
+        reducers = [part.reducer for part in self.parts]
+        locals_ = [t for r in reducers for t in r.locals]
         states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        stray = [q.grad for q in r.params if q.grad is not None]  # should be none: the hooks take them
+        stray = [q.grad for r in reducers for q in r.params if q.grad is not None]  # should be none: the hooks take them
         return {
-            "params": tensor_bytes(r.locals),
-            "grads": tensor_bytes(r.grad_tensors() + stray),
+            "params": tensor_bytes(locals_),
+            "grads": tensor_bytes([t for r in reducers for t in r.grad_tensors()] + stray),
             "optimizer": tensor_bytes(states),
-            "numel": sum(t.numel() for t in r.locals),
+            "numel": sum(t.numel() for t in locals_),
         }
 
     # -- checkpoints (layout-free: whole per-parameter states, see zero_state.py) -------------------
@@ -266,9 +343,10 @@ class BucketSync:
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of this rank's live params, gradients and optimizer states at the last step boundary
         (after the optimizer step, before the gradients are zeroed), and the peak bytes of gradient
-        storage during the last backward (buffers + buckets in flight + the gradient being added)."""
+        storage during the last backward (buffers + buckets in flight + the gradient being added; with
+        experts the dense and expert reducers' peaks added, an upper bound)."""
         out = dict(self._breakdown or self._measure())
-        out["peak_grad_bytes"] = self.reducer.peak_bytes
+        out["peak_grad_bytes"] = sum(part.reducer.peak_bytes for part in self.parts)
         return out
 
 
