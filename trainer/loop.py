@@ -82,7 +82,8 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
 def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, device, autocast, run: Resolved,
                      cp: ContextShard | None, preempt: PreemptionFlag, guard: NonFiniteGuard, after_step=None) -> tuple:
     """One step that ends in a global synchronisation: forward and backward, the global norm and clip,
-    every rank's signal and non-finite verdict, the optimizer step (then `after_step()`, the model kind's).
+    every rank's signal and non-finite verdict, the optimizer step or its skip (then `after_step(applied)`,
+    the model kind's).
     (step, loss, grad_norm, lr, stop)."""
     m = run.manifest
     if pipeline is not None:  # the schedule's actions over the pipeline ranks
@@ -95,12 +96,13 @@ def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, d
     loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
     # one tiny CPU all-reduce: any rank's signal (stop after this step) and non-finite verdict
     stop, nonfinite = preempt.agreed(nonfinite=not finite(loss_f, norm_f))
-    if guard.admit(step, nonfinite, loss_f, norm_f):  # every rank decides alike
+    applied = guard.admit(step, nonfinite, loss_f, norm_f)  # every rank decides alike
+    if applied:
         sync.step()
-        if after_step is not None:
-            after_step()
     else:
         sync.skip_step()
+    if after_step is not None:
+        after_step(applied)
     return step, loss, grad_norm, lr, stop
 
 
@@ -186,9 +188,9 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     def kind_metrics() -> dict:  # the model kind's keys (a collective at the log steps), e.g. an MoE's load
         return spec.metrics(parts, mesh) if spec.metrics is not None else {}
 
-    def after_step() -> None:  # after each applied optimizer step, e.g. an MoE's routing-bias update
+    def after_step(applied: bool) -> None:  # after each step, e.g. an MoE's load statistics and routing bias
         if spec.after_step is not None:
-            spec.after_step(parts, mesh)
+            spec.after_step(parts, mesh, applied)
 
     try:
         with build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
@@ -210,6 +212,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                     if saved or last or validation.due(step) or any(v.stop_code for v in verdicts):
                         post.flush()  # a save, an evaluation, the end or a stop needs this step's final state
                         verdicts += post.take_finished()
+                    for v in verdicts:  # the kind's step work once the step is final (model kinds that need it
+                        after_step(v.applied)  # before the next step's forwards refuse post_validation)
                     finished = [(v.step, v.loss, v.grad_norm, v.lr, stop_for(v.stop_code), v.rollbacks) for v in verdicts]
                 else:
                     finished = [(*synchronous_step(step, model, sync, pipeline, microbatches, device, autocast, run, cp,

@@ -121,9 +121,10 @@ class ModelSpec:
     # only). None: nothing beyond the trainer's keys.
     metrics: Callable[[Any, Any], dict[str, Any]] | None = None
     metric_keys: tuple[str, ...] = ()
-    # after_step(parts, mesh): runs on every rank after each optimizer step that was applied (an MoE's
-    # routing-bias update); None: nothing.
-    after_step: Callable[[Any, Any], None] | None = None
+    # after_step(parts, mesh, applied): runs on every rank after every step, `applied` False when the step's
+    # update was skipped (non-finite); an MoE closes its load statistics and, when applied, moves its routing
+    # bias. A collective: every rank calls it. None: nothing.
+    after_step: Callable[[Any, Any, bool], None] | None = None
     # Attribute holding the blocks (a ModuleDict keyed "0".."N-1"), for pipeline splitting.
     layer_prefix: str = "layers"
     # How a pipeline cuts it (None: pp > 1 is refused for the kind).
@@ -162,6 +163,7 @@ def register_model(name: str) -> Callable[[Any], Any]:
 
 def _import_builtins() -> None:
     import trainer.models.llama  # noqa: F401  the built-ins register themselves on import
+    import trainer.models.moe  # noqa: F401
 
 
 def get_model_spec(kind: str) -> ModelSpec:

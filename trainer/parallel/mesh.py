@@ -97,13 +97,17 @@ def with_expert_parallel(mesh: ParallelMesh, ep: int) -> ParallelMesh:
     return dataclasses.replace(mesh, ep=expert["ep"], edp=expert["edp"])
 
 
-def new_group_along(mesh: ParallelMesh, dim: str) -> dist.ProcessGroup:
-    """A fresh process group of this rank's ranks along mesh dimension `dim` (the same ranks as
-    mesh[dim].get_group(), on a communicator of its own). Collective over the world: every rank creates
-    every group along `dim`, in the same order."""
-    grid, axis = mesh.root.mesh, mesh.root.mesh_dim_names.index(dim)
+def new_group_along(mesh: ParallelMesh, dims: str | tuple[str, ...]) -> dist.ProcessGroup:
+    """A fresh process group of this rank's ranks along mesh dimension(s) `dims` (the same ranks as
+    mesh[dims].get_group(), or as the flattened group of several dimensions, on a communicator of its own).
+    Collective over the world: every rank creates every group along `dims`, in the same order."""
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    names = mesh.root.mesh_dim_names
+    axes = [names.index(d) for d in dims]
+    grid = mesh.root.mesh.movedim(axes, list(range(-len(axes), 0)))
+    size = math.prod(mesh.root.mesh.shape[a] for a in axes)
     mine = None
-    for row in grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist():
+    for row in grid.reshape(-1, size).tolist():
         group = dist.new_group(row)
         if dist.get_rank() in row:
             mine = group

@@ -155,12 +155,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(cfg, i) for i in range(cfg.layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = TiedHead() if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab, bias=False)
         cos, sin = rope_cache(cfg.dim // cfg.heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # refilled by init_buffers
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_block(self, cfg: LlamaConfig, index: int) -> nn.Module:
+        """Block `index` (a kind built on this decoder, such as moe, returns its own)."""
+        return TransformerBlock(cfg)
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -72,6 +72,13 @@ def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parall
     """Megatron's split: q/k/v and gate/up column-wise, o and down row-wise, vocab-parallel embedding
     and head. With sequence parallel the norms and residual stream stay sharded along the sequence
     (Shard(1)) and the tp all-reduce becomes all-gather before, reduce-scatter after each block half."""
+    apply_root_tensor_parallel(model, tp_mesh, sequence_parallel)
+    for block in model.layers.values():
+        apply_tensor_parallel(block, tp_mesh, attention_plan(sequence_parallel) | dense_mlp_plan(sequence_parallel))
+
+
+def apply_root_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """The embedding (vocab rows), the final norm under sequence parallel, and the head (vocab columns)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     if isinstance(model.output, TiedHead):  # the embedding's vocab-row shards are the head's: logits Shard(-1)
         head = PrepareModuleInput(input_layouts=(seq, Shard(0)), desired_input_layouts=(Replicate(), Shard(0)),
@@ -82,24 +89,37 @@ def apply_llama_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parall
     if sequence_parallel:
         root["norm"] = SequenceParallel()
     apply_tensor_parallel(model, tp_mesh, root)
-    for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+
+
+def attention_plan(sequence_parallel: bool) -> dict:
+    """A block's attention half: q/k/v column-wise, o row-wise (its norm sequence-parallel under SP)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            "ffn_norm": SequenceParallel(),
         }
-        if sequence_parallel:
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        apply_tensor_parallel(block, tp_mesh, plan)
+    return plan
+
+
+def dense_mlp_plan(sequence_parallel: bool) -> dict:
+    """A block's dense SwiGLU: gate/up column-wise, down row-wise."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
 
 
 def apply_llama_context_parallel(model: torch.nn.Module, cp_group, kind: str) -> None:

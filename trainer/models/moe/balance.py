@@ -35,6 +35,8 @@ under-loaded experts: bias_i += rate * sign(mean load - load_i).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -60,3 +62,107 @@ def load_imbalance(counts: torch.Tensor) -> torch.Tensor:
     """[L]: the busiest expert's load over the mean load, per layer (1.0 is perfectly even)."""
     load = counts.float()
     return load.max(-1).values / load.mean(-1)
+
+
+# -- the balance terms of one MoE layer inside a model ----------------------------------------------------
+
+class Balance(torch.nn.Module):
+    """One MoE layer's balance terms in training: the auxiliary loss and the z-loss enter the gradient, and
+    the step's routing statistics are kept for the metrics and the bias update (trainer/models/moe/stats.py).
+
+    `forward(out, stats)` returns `out` unchanged; its backward adds the terms' gradients (Megatron-Core's
+    trick of attaching an auxiliary loss to an activation), so they reach the router and everything below
+    it through the ordinary backward, on any pipeline stage, with no extra output to carry. The gradient of
+
+        coeff · E · Σ_i f_i · P_i / L      (+ z_coeff · z / L)       L: the model's MoE layers
+
+    w.r.t. P is coeff · E · f / L: f is computed *in the backward*, from this micro-batch's counts all-reduced
+    over `group` under global-batch scope. So no collective runs in the forward, none when activation
+    checkpointing recomputes it (the recomputed forward's node is never backpropagated), and the backward
+    (one per micro-batch, also under zero-bubble's split B/W: this node lies on the input path, in B)
+    records the statistics exactly once. `loss_scale` is what the trainer multiplies each micro-batch's loss
+    by (1 / micro-batches), so the terms weigh like the loss they are added to.
+    Configured by the kind's parallelize (`configure`); defaults: one rank, loss_scale 1.
+    """
+
+    def __init__(self, experts: int, top_k: int, moe_layers: int, aux_coeff: float = 0.0,
+                 global_scope: bool = True, z_coeff: float = 0.0) -> None:
+        super().__init__()
+        self.experts, self.top_k, self.moe_layers = experts, top_k, moe_layers
+        self.aux_coeff, self.global_scope, self.z_coeff = aux_coeff, global_scope, z_coeff
+        self.group = None  # data-parallel ranks (dp x cp) whose counts global-batch scope sums
+        self.loss_scale = 1.0
+        self.step: StepStats | None = None  # this rank's statistics of the running step, summed over micro-batches
+        self.last: StepStats | None = None  # the last closed step's, summed over the data-parallel ranks (stats.py)
+
+    def configure(self, group, loss_scale: float) -> None:
+        self.group, self.loss_scale = group, loss_scale
+
+    def forward(self, out: torch.Tensor, stats) -> torch.Tensor:
+        return _BalanceGrad.apply(out, stats.prob_mean, stats.z, self, stats)
+
+    @torch.no_grad()
+    def record(self, stats) -> None:
+        tokens = stats.tokens.to(torch.float64)
+        row = torch.cat([stats.counts.to(torch.float64), stats.prob_mean.to(torch.float64) * tokens,
+                         torch.stack([tokens, stats.dropped.to(torch.float64), stats.z.to(torch.float64) * tokens])])
+        self.step = StepStats(row) if self.step is None else StepStats(self.step.row + row)
+
+    def take_step(self) -> StepStats | None:
+        """The running step's statistics (None if no backward ran), and start the next step's."""
+        out, self.step = self.step, None
+        return out
+
+    def close_step(self, reduced: StepStats) -> None:
+        """Keep the last step's statistics, reduced over the data-parallel ranks (stats.after_step)."""
+        self.last = reduced
+
+    def extra_repr(self) -> str:
+        return (f"aux_coeff={self.aux_coeff}, scope={'global' if self.global_scope else 'micro'}-batch, "
+                f"z_coeff={self.z_coeff}, moe_layers={self.moe_layers}")
+
+
+class StepStats:
+    """One layer's routing statistics summed over micro-batches (and, once reduced, over ranks), as one
+    float64 row: counts [E], P·tokens [E], tokens, dropped pairs, z·tokens."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    @staticmethod
+    def width(experts: int) -> int:
+        return 2 * experts + 3
+
+    def parts(self, experts: int) -> dict[str, torch.Tensor]:
+        r = self.row
+        return {"counts": r[:experts], "prob_sum": r[experts:2 * experts], "tokens": r[2 * experts],
+                "dropped": r[2 * experts + 1], "z_sum": r[2 * experts + 2]}
+
+
+class _BalanceGrad(torch.autograd.Function):
+    """Identity on `out`; in backward the balance terms' gradients for P (prob_mean) and z (Balance)."""
+
+    @staticmethod
+    def forward(ctx, out, prob_mean, z, balance: Balance, stats):
+        # plain attributes, not save_for_backward: a recompute under activation checkpointing neither
+        # repacks them nor needs them (it builds a node of its own that is never run)
+        ctx.balance = balance
+        ctx.stats = dataclasses.replace(stats, prob_mean=stats.prob_mean.detach(), z=stats.z.detach())
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        import torch.distributed as dist
+
+        b, stats = ctx.balance, ctx.stats
+        b.record(stats)
+        grad_prob = grad_z = None
+        if b.aux_coeff and ctx.needs_input_grad[1]:
+            counts = torch.cat([stats.counts, stats.tokens.reshape(1)]).to(torch.float64)
+            if b.global_scope and b.group is not None and dist.get_world_size(b.group) > 1:
+                dist.all_reduce(counts, group=b.group)
+            f = counts[:-1] / (counts[-1] * b.top_k)
+            grad_prob = (f * (b.loss_scale * b.aux_coeff * b.experts / b.moe_layers)).to(stats.prob_mean.dtype)
+        if b.z_coeff and ctx.needs_input_grad[2]:
+            grad_z = torch.full_like(stats.z, b.loss_scale * b.z_coeff / b.moe_layers)
+        return grad_out, grad_prob, grad_z, None, None
