@@ -5,8 +5,12 @@ the run's tokenizer, so `generate` on the export reads and writes text.
     mantra export runs/tiny-cpu/ckpt/step-00000150 --to hf out/tiny-hf
 
 One process reads the sharded checkpoint whatever layout wrote it (DCP
-reassembles whole tensors) and writes LlamaForCausalLM's names, so
-`AutoModelForCausalLM.from_pretrained(out)` loads it with no mantra installed.
+reassembles whole tensors) and writes the names of the model kind's Hugging
+Face architecture (its ModelSpec.hf: LlamaForCausalLM for llama,
+MixtralForCausalLM for moe), so `AutoModelForCausalLM.from_pretrained(out)`
+loads it with no mantra installed. A model the architecture cannot hold (an
+moe with shared experts, say) is refused from its manifest, before the
+weights are read.
 
 The checkpoint is read as hostile, like a resume does (trainer/checkpoint.py):
 the root's `latest` is followed only to a step directory inside the root, every
@@ -61,6 +65,24 @@ def resolve_checkpoint(path: Path) -> Path:
     return path
 
 
+def _read_manifest(step: Path, verify: bool):
+    """(COMMITTED's marker or None, the step's manifest), checked against the marker's checksums."""
+    marker = read_marker(step) if verify else None
+    if marker is not None and not marker.has_checksums:
+        raise ExportError(f"{step / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
+                          "them), so it cannot be verified; export it with verification off to trust it as is")
+    return marker, Manifest.model_validate(yaml.safe_load(read_verified(marker, step, MANIFEST, limit=16 << 20)))
+
+
+def read_manifest(checkpoint: Path, verify: bool = True) -> Manifest:
+    """The manifest a checkpoint was trained with (verified as load_model verifies it), without its weights."""
+    step = resolve_checkpoint(Path(checkpoint))
+    try:
+        return _read_manifest(step, verify)[1]
+    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+        raise ExportError(str(exc)) from None
+
+
 def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, Manifest]:
     """The whole model of a checkpoint, in this one process, whatever layout saved it. verify=False skips
     the checksums (for checkpoints written before they were recorded); the allowlist always applies."""
@@ -68,11 +90,7 @@ def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, 
 
     step = resolve_checkpoint(Path(checkpoint))
     try:
-        marker = read_marker(step) if verify else None
-        if marker is not None and not marker.has_checksums:
-            raise ExportError(f"{step / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
-                              "them), so it cannot be verified; export it with verification off to trust it as is")
-        manifest = Manifest.model_validate(yaml.safe_load(read_verified(marker, step, MANIFEST, limit=16 << 20)))
+        marker, manifest = _read_manifest(step, verify)
         reader = TrustedReader(step, marker)
         reader.read_metadata()  # checked and allowlisted before DCP sees it
         spec = get_model_spec(manifest.model.kind)
@@ -93,21 +111,24 @@ def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, 
 def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
     from safetensors.torch import save_file
 
-    from trainer.models import get_model_spec
+    from trainer.models import HFMappingError, get_model_spec
 
-    model, manifest = load_model(checkpoint, verify)
-    cfg = manifest.model
+    cfg = read_manifest(checkpoint, verify).model
     mapping = get_model_spec(cfg.kind).hf
     if mapping is None:
         raise ExportError(f"{checkpoint}: model.kind '{cfg.kind}' has no Hugging Face mapping (its ModelSpec.hf)")
-    tensors = {k: v.detach().contiguous().clone() for k, v in mapping.to_hf(model.state_dict(), cfg).items()}
+    try:
+        config = mapping.config(cfg)  # refuses what the architecture cannot hold before the weights are read
+        model, manifest = load_model(checkpoint, verify)
+        tensors = {k: v.detach().contiguous().clone() for k, v in mapping.to_hf(model.state_dict(), cfg).items()}
+    except HFMappingError as exc:
+        raise ExportError(f"{checkpoint}: {exc}") from None
     if getattr(cfg, "tie_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it to the embedding
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(manifest, out)  # first: a missing tokenizer stops the export before the weights are written
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = mapping.config(cfg)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in EXPORTED_FILES:
         os.chmod(out / name, 0o644)

@@ -257,11 +257,12 @@ class Sinks:
 
 
 def _plain(key: str, value: Any) -> Any:
-    """A sink's value: None, an int (INT_KEYS), a float, or a list of floats (JSONL only)."""
+    """A sink's value: None, an int (INT_KEYS), a float, or a list of floats and Nones (JSONL only; an moe's
+    per-layer load is null for a dense first layer)."""
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
-        return [float(v) for v in value]
+        return [None if v is None else float(v) for v in value]
     return int(value) if key in INT_KEYS else float(value)
 
 

@@ -64,13 +64,22 @@ class PipelineSpec:
     activation_shape: Callable[..., tuple[int, ...]]
 
 
+class HFMappingError(ValueError):
+    """A model the kind's Hugging Face architecture cannot hold (a setting it has no counterpart for), raised by
+    HFMapping.config and .to_hf: one line naming the manifest field and the fix. `mantra export` prints it
+    and exits 2 before it reads the weights."""
+
+
 @dataclass(frozen=True)
 class HFMapping:
     """The kind's Hugging Face counterpart (`mantra export --to hf`, and back).
 
-    config(cfg): the config.json dict (architectures, model_type and the shape).
-    to_hf(state_dict, cfg): our whole-model state dict under HF's names (a tied head left out).
-    from_hf(hf_state_dict, hf_config): (the `model:` section as a dict, our state dict); None if not mapped.
+    config(cfg): the config.json dict (architectures, model_type and the shape); HFMappingError for a
+        model the architecture cannot hold.
+    to_hf(state_dict, cfg): our whole-model state dict under the names of the HF checkpoint (what
+        `from_pretrained` reads from model.safetensors; a tied head may be left out).
+    from_hf(hf_state_dict, hf_config): (the `model:` section as a dict, our state dict), ValueError naming the
+        config.json key it cannot hold; None if not mapped.
     """
 
     config: Callable[[Any], dict[str, Any]]

@@ -3,6 +3,11 @@
 Our RoPE is HF's rotate-half convention, so wq/wk copy over unpermuted (Meta's
 original checkpoints and torchtitan use the interleaved convention and need a
 row permutation; we do not). Only the names change.
+
+The decoder around the MLP (embedding, attention, norms, head) is the same in
+every HF architecture built on the Llama's (Mixtral, Qwen2, Mistral): the
+`decoder_*` functions map that part, and a kind built on our Llama (moe/hf.py)
+adds only its MLP.
 """
 
 from __future__ import annotations
@@ -16,25 +21,27 @@ if TYPE_CHECKING:
 
     from trainer.models.llama.config import LlamaConfig
 
-_BLOCK_NAMES = {
+# a block's attention and its two norms: our names -> HF's, under layers.N / model.layers.N
+_ATTENTION_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_MLP_NAMES = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 
 
-def hf_config_kwargs(cfg: LlamaConfig) -> dict[str, Any]:
-    """Keyword arguments for transformers.LlamaConfig describing the same model (torch-free)."""
+def decoder_config_kwargs(cfg: LlamaConfig) -> dict[str, Any]:
+    """The HF config keys of the decoder around the MLP (torch-free): shape, RoPE, norms, tying."""
     return {
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -44,74 +51,105 @@ def hf_config_kwargs(cfg: LlamaConfig) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
     }
 
 
-def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-    """config.json of the same model as LlamaForCausalLM."""
-    return hf_config_kwargs(cfg) | {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def config_json(kwargs: dict[str, Any], architecture: str, model_type: str) -> dict[str, Any]:
+    """config.json from an HF config's keyword arguments: the architecture, the dtype we export, and the
+    RoPE base where older transformers read it."""
+    return kwargs | {
+        "architectures": [architecture],
+        "model_type": model_type,
         "torch_dtype": "float32",
-        "rope_theta": cfg.rope_theta,  # older transformers read it here, newer from rope_parameters
+        "rope_theta": kwargs["rope_parameters"]["rope_theta"],  # older transformers read it here
         "bos_token_id": None,
         "eos_token_id": None,
     }
 
 
-def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Our (unsharded) state dict, or a model's, under LlamaForCausalLM's names.
+def hf_config_kwargs(cfg: LlamaConfig) -> dict[str, Any]:
+    """Keyword arguments for transformers.LlamaConfig describing the same model (torch-free)."""
+    return decoder_config_kwargs(cfg) | {"intermediate_size": cfg.ffn_dim, "attention_bias": False, "mlp_bias": False}
 
-    With tied embeddings `lm_head.weight` is the embedding tensor itself, as in
-    HF's own state_dict (the exporter leaves it out: transformers re-ties it).
-    Tensors are shared, not copied.
-    """
-    ours = model if isinstance(model, Mapping) else model.state_dict()
+
+def hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+    """config.json of the same model as LlamaForCausalLM."""
+    return config_json(hf_config_kwargs(cfg), "LlamaForCausalLM", "llama")
+
+
+def decoder_to_hf(ours: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Everything but the MLPs under HF's names. With tied embeddings `lm_head.weight` is the embedding
+    tensor itself, as in HF's own state_dict (the exporter leaves it out: transformers re-ties it)."""
     hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": ours["tok_embeddings.weight"]}
     for i in range(cfg.layers):
-        for our_name, hf_name in _BLOCK_NAMES.items():
+        for our_name, hf_name in _ATTENTION_NAMES.items():
             hf[f"model.layers.{i}.{hf_name}"] = ours[f"layers.{i}.{our_name}"]
     hf["model.norm.weight"] = ours["norm.weight"]
     hf["lm_head.weight"] = ours["tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"]
     return hf
 
 
+def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Our (unsharded) state dict, or a model's, under LlamaForCausalLM's names (tensors shared, not copied)."""
+    ours = model if isinstance(model, Mapping) else model.state_dict()
+    hf = decoder_to_hf(ours, cfg)
+    for i in range(cfg.layers):
+        for our_name, hf_name in _MLP_NAMES.items():
+            hf[f"model.layers.{i}.{hf_name}"] = ours[f"layers.{i}.{our_name}"]
+    return hf
+
+
+def refusal(kind: str, key: str, why: str) -> ValueError:
+    """The error from_hf raises for a config.json value mantra's `kind` cannot hold."""
+    return ValueError(f"config.json {key}: {why}; mantra's {kind} cannot hold it")
+
+
+def decoder_section(hf_cfg: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The `model:` fields of the decoder around the MLP from an HF config.json (kind and MLP left to the
+    caller). ValueError, naming the key, for what our attention cannot hold (a head dim other than dim /
+    heads, an activation other than silu, RoPE scaling)."""
+    dim, heads = int(hf_cfg["hidden_size"]), int(hf_cfg["num_attention_heads"])
+    if hf_cfg.get("head_dim") not in (None, dim // heads):
+        raise refusal(kind, "head_dim", f"{hf_cfg['head_dim']} is not hidden_size / num_attention_heads = {dim // heads}")
+    if hf_cfg.get("hidden_act", "silu") != "silu":
+        raise refusal(kind, "hidden_act", f"{hf_cfg['hidden_act']!r}, not silu (SwiGLU)")
+    rope = dict(hf_cfg.get("rope_parameters") or {})
+    for key, params in (("rope_parameters", rope), ("rope_scaling", hf_cfg.get("rope_scaling") or {})):
+        if params.get("rope_type", params.get("type", "default")) != "default":  # newer / older transformers
+            raise refusal(kind, key, f"RoPE scaling ({params.get('rope_type', params.get('type'))}) is not supported")
+    return {
+        "dim": dim, "layers": int(hf_cfg["num_hidden_layers"]), "heads": heads,
+        "kv_heads": int(hf_cfg.get("num_key_value_heads") or heads),
+        "vocab": int(hf_cfg["vocab_size"]), "seq_len": int(hf_cfg.get("max_position_embeddings", 2048)),
+        "rope_theta": float(rope.get("rope_theta", hf_cfg.get("rope_theta", 10000.0))),
+        "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-5)),
+        "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)),
+    }
+
+
+def decoder_from_hf(hf_state: Mapping[str, torch.Tensor], section: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Everything but the MLPs under our names (the inverse of decoder_to_hf)."""
+    ours = {"tok_embeddings.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
+    for i in range(section["layers"]):
+        for our_name, hf_name in _ATTENTION_NAMES.items():
+            ours[f"layers.{i}.{our_name}"] = hf_state[f"model.layers.{i}.{hf_name}"]
+    if not section["tie_embeddings"]:
+        ours["output.weight"] = hf_state["lm_head.weight"]
+    return ours
+
+
 def from_hf(hf_state: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A LlamaForCausalLM's config.json and state dict as (our `model:` section, our state dict): the
     inverse of hf_config and to_hf_state_dict. ValueError, naming the key, for what our Llama cannot
     hold (biases, another activation, a head dim other than dim / heads, RoPE scaling)."""
-
-    def refuse(key: str, why: str) -> ValueError:
-        return ValueError(f"config.json {key}: {why}; mantra's llama cannot hold it")
-
     if hf_cfg.get("model_type", "llama") != "llama":
-        raise refuse("model_type", f"{hf_cfg.get('model_type')!r} is not llama")
-    dim, heads = int(hf_cfg["hidden_size"]), int(hf_cfg["num_attention_heads"])
-    if hf_cfg.get("head_dim") not in (None, dim // heads):
-        raise refuse("head_dim", f"{hf_cfg['head_dim']} is not hidden_size / num_attention_heads = {dim // heads}")
+        raise refusal("llama", "model_type", f"{hf_cfg.get('model_type')!r} is not llama")
     for key in ("attention_bias", "mlp_bias"):
         if hf_cfg.get(key):
-            raise refuse(key, "biases are not part of the model")
-    if hf_cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", f"{hf_cfg['hidden_act']!r}, not silu (SwiGLU)")
-    rope = dict(hf_cfg.get("rope_parameters") or {})
-    for key, params in (("rope_parameters", rope), ("rope_scaling", hf_cfg.get("rope_scaling") or {})):
-        if params.get("rope_type", params.get("type", "default")) != "default":  # newer / older transformers
-            raise refuse(key, f"RoPE scaling ({params.get('rope_type', params.get('type'))}) is not supported")
-    tie = bool(hf_cfg.get("tie_word_embeddings", False))
-    section = {
-        "kind": "llama", "dim": dim, "layers": int(hf_cfg["num_hidden_layers"]), "heads": heads,
-        "kv_heads": int(hf_cfg.get("num_key_value_heads") or heads), "ffn_dim": int(hf_cfg["intermediate_size"]),
-        "vocab": int(hf_cfg["vocab_size"]), "seq_len": int(hf_cfg.get("max_position_embeddings", 2048)),
-        "rope_theta": float(rope.get("rope_theta", hf_cfg.get("rope_theta", 10000.0))),
-        "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-5)), "tie_embeddings": tie,
-    }
-    ours = {"tok_embeddings.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
+            raise refusal("llama", key, "biases are not part of the model")
+    section = {"kind": "llama", **decoder_section(hf_cfg, "llama"), "ffn_dim": int(hf_cfg["intermediate_size"])}
+    ours = decoder_from_hf(hf_state, section)
     for i in range(section["layers"]):
-        for our_name, hf_name in _BLOCK_NAMES.items():
+        for our_name, hf_name in _MLP_NAMES.items():
             ours[f"layers.{i}.{our_name}"] = hf_state[f"model.layers.{i}.{hf_name}"]
-    if not tie:
-        ours["output.weight"] = hf_state["lm_head.weight"]
     return section, ours

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.models import ModelSpec, PipelineSpec, register_model
+from trainer.models import HFMapping, ModelSpec, PipelineSpec, register_model
 from trainer.models.llama import activation_shape, keep_stages
-from trainer.models.moe import config
+from trainer.models.moe import config, hf
 from trainer.models.moe.config import MoEConfig
 
 if TYPE_CHECKING:
@@ -81,4 +81,5 @@ def moe_spec() -> ModelSpec:
         after_step=after_step,
         pipeline=PipelineSpec(keep_stages=keep_stages, activation_shape=activation_shape),
         plan=plan_model,
+        hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
     )
