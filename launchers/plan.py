@@ -55,7 +55,9 @@ def _layout_line(e: Estimate) -> str:
     pp = (f"pp {lay['pp']} ({lay['schedule']}, {lay['virtual_stages']} chunk{'s' if lay['virtual_stages'] > 1 else ''}"
           f"{split})" if lay["pp"] > 1 else "pp 1")
     sp = " + sp" if lay["sequence_parallel"] else ""
-    return (f"dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}{sp} x {pp}; "
+    cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    ep = f" (ep {lay['ep']} of them)" if lay.get("ep", 1) > 1 else ""
+    return (f"dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']}{ep}{cp} x tp {lay['tp']}{sp} x {pp}; "
             f"{lay['optimizer_sharding']}; recompute {lay['recompute']}; global batch {lay['global_batch']} = "
             f"micro {lay['micro_batch']} x {lay['microbatches']} microbatches x dp {lay['dp_replicate'] * lay['dp_shard']}")
 

@@ -305,7 +305,8 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
     coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
     counted = model_counts(run, pm, layers, bf16)
-    layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "tp": p.tp, "sequence_parallel": sp,
+    layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "cp": p.cp, "ep": p.ep, "tp": p.tp,
+              "sequence_parallel": sp,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
               "post_validation": p.post_validated,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,

@@ -66,7 +66,7 @@ def check_parallel(cfg: LlamaConfig, p: ParallelSection) -> list[tuple[str, str]
     elif cfg.n_kv_heads % p.tp:
         issues.append(("parallel.tp", f"{p.tp} does not divide model.kv_heads ({cfg.n_kv_heads}); "
                        f"use {_divisors(cfg.n_kv_heads)}"))
-    if p.tp > 1 and cfg.ffn_dim % p.tp:
+    if p.tp > 1 and cfg.ffn_dim and cfg.ffn_dim % p.tp:
         issues.append(("model.ffn_dim", f"{cfg.ffn_dim} does not split over tp = {p.tp}; use a multiple of {p.tp}"))
     if p.cp > 1 and p.cp_kind.value == "ulysses" and cfg.heads % (p.tp * p.cp):
         per_tp = cfg.heads // p.tp if cfg.heads % p.tp == 0 else cfg.heads

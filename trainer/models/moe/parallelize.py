@@ -2,8 +2,8 @@
 
     tensor + sequence parallel (attention and dense MLPs; the MoE layers replicated over tp)
         -> context parallel (attention core) -> expert parallel (each MoE layer's experts over mesh.ep)
-        -> the balance terms' group and loss scale -> pipeline split -> activation checkpointing
-        -> compile -> pipeline stage modules -> FSDP (zero3; the experts units of their own over mesh.edp)
+        -> the balance terms' group and loss scale -> pipeline split -> compile (attention and dense
+        parts) -> activation checkpointing -> pipeline stage modules -> FSDP (zero3; the experts units of their own over mesh.edp)
 
 Under tensor parallel the router, the routed and the shared experts are replicated on the tp ranks, which
 each run the whole (under sequence parallel: all-gathered) sequence through them: their compute does not
@@ -53,9 +53,9 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
         from trainer.models.llama.pipeline import split_model
 
         split_model(model, run, mesh["pp"].get_local_rank())
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
     if train.compile:
-        apply_compile(model.layers)
+        apply_compile(compilable_parts(model))
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
     parts = ModelParts(model)
     if p.pp > 1:
         from trainer.models.llama.pipeline import build_stages
@@ -71,6 +71,18 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
                    reduce_dtype=reduce_dtype(run), reshard_after_forward=parts.stages is None,
                    experts=experts, expert_mesh=mesh["edp"] if experts else None)
     return dataclasses.replace(parts, experts=expert_parameter_names(model))
+
+
+def compilable_parts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """What train.compile compiles, whole-graph: each block's norms and attention, and a dense layer's MLP.
+    An MoE layer runs eagerly: its routing has data-dependent shapes (capacity drops, expert parallel's
+    splits) and its balance terms a backward of their own, which one graph per block cannot hold."""
+    out = []
+    for block in model.layers.values():
+        out += [block.attention_norm, block.attention, block.ffn_norm]
+        if not isinstance(block.feed_forward, RoutedFeedForward):
+            out.append(block.feed_forward)
+    return out
 
 
 def apply_moe_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel: bool) -> None:
