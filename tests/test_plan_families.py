@@ -4,7 +4,7 @@ zero3, and zero2 with several buckets end to end below), activations (a long seq
 logits (a 32k vocabulary, alone and vocab-parallel over tp2), the pipeline schedules the accuracy test
 leaves out (gpipe, interleaved-1f1b, zb-h2 and zb-v with their default post-validation, redoing each step,
 and zb-v without it), recompute under a split backward (zb-h1 selective, full)
-and context parallel (Ulysses and ring at cp2, seq 1024). Within ±10% of the largest rank's
+context parallel (Ulysses and ring at cp2, seq 1024) and mixture of experts (activations, selective, ep2). Within ±10% of the largest rank's
 steady peak of live tensor bytes (bench/plan_memory.py runs more of each family; docs/plan.md has its table).
 
 One of them goes end to end through the user's commands: `mantra run` with `logging.memory: tensors` on
@@ -28,6 +28,8 @@ TOLERANCE = 0.10
 SMALL = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_dim": 128, "vocab": 256, "seq_len": 64}
 WIDE = {"dim": 192, "layers": 3, "heads": 6, "kv_heads": 6, "ffn_dim": 512, "vocab": 256, "seq_len": 16}
 ONE_ROW = {"global_batch": 2, "micro_batch": 1}
+MOE = {"kind": "moe", "dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 256, "experts": 8,
+       "top_k": 2, "expert_ffn_dim": 64}
 
 FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, parallel, train)
     "optimizer-dp2-none": (2, WIDE, {}, ONE_ROW),
@@ -53,6 +55,10 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     # context parallel: a rank's activations are those of seq_len / cp tokens, plus the attention's buffers
     "context-ulysses-cp2": (2, SMALL | {"seq_len": 1024}, {"cp": 2, "cp_kind": "ulysses"}, {"global_batch": 4, "micro_batch": 4}),
     "context-ring-cp2": (2, SMALL | {"seq_len": 1024}, {"cp": 2, "cp_kind": "ring"}, {"global_batch": 4, "micro_batch": 4}),
+    # mixture of experts: the sorted token copies, the experts' top_k-wide activations, the router's fp32 rows
+    "moe-activations": (1, MOE, {}, {"global_batch": 8, "micro_batch": 8}),
+    "moe-selective": (1, MOE, {}, {"global_batch": 8, "micro_batch": 8, "activation_checkpointing": "selective"}),
+    "moe-ep2": (2, MOE, {"ep": 2}, {"global_batch": 8, "micro_batch": 4}),
 }
 REDO = {"grad_clip": 1e-4}  # every step clipped: under post-validation each is rolled back and redone
 OPTIMIZER = {"pipeline-zb-h2": REDO, "pipeline-zb-v": REDO}

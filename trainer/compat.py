@@ -21,6 +21,7 @@ Public APIs are preferred wherever they exist (`dist.reduce_scatter_tensor`, not
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -61,8 +62,10 @@ APIS = {
     "mesh_unflatten": Api("expert parallel (the ep and expert-dp meshes carved out of dp x cp)", "DeviceMesh._unflatten"),
     "foreach": Api("gradient norms and clipping", "torch._foreach_norm, torch._foreach_mul_",
                    otherwise="a loop of torch.linalg.vector_norm and mul_"),
-    "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*",
+    "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*, _grouped_mm",
                     otherwise="the attention ops this torch lacks are left out of the set"),
+    "dispatch_modes": Api("MoE experts' one-time grouped-matmul probe inside a recomputed block (models/moe)",
+                          "torch.utils._python_dispatch._disable_current_modes"),
     "profiler_events": Api("the CPU live-tensor tracker (bench/, tests/)", "torch._C._profiler._EventType"),
     "grouped_mm": Api("MoE experts as grouped matmuls (models/moe)", "torch._grouped_mm",
                       otherwise="a loop of one SwiGLU per expert (the same result, slower)"),
@@ -146,11 +149,13 @@ def checkpoint_wrapper() -> Callable:
 
 
 def sdpa_ops() -> set:
-    """The fused attention ops to keep under selective recompute: those this torch has (names vary by backend)."""
+    """The fused attention ops (and the grouped matmul of MoE experts) to keep under selective recompute: those
+    this torch has (names vary by backend)."""
     import torch
 
     names = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+             "_grouped_mm")  # the MoE experts' matmuls: kept like every other matmul's output
     ops = set()
     for name in names:
         packet = getattr(torch.ops.aten, name, None)
@@ -346,6 +351,19 @@ def grouped_mm() -> Callable | None:
     if fused is not None:
         RESOLVED.append("torch._grouped_mm")
     return fused
+
+
+@contextlib.contextmanager
+def invisible_to_recompute():
+    """Run a side computation (a one-time probe) inside a forward so that activation checkpointing never
+    sees it: no dispatch mode (selective recompute's cache) records its ops, no saved-tensor hook (the
+    checkpoint's) packs its tensors, no autocast changes its dtypes. Its own autograd works as usual."""
+    import torch
+
+    disable_modes = _private("dispatch_modes", "torch.utils._python_dispatch", "_disable_current_modes")
+    with disable_modes(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+            torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
 
 
 # -- profiler -----------------------------------------------------------------------------------------------

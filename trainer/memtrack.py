@@ -71,7 +71,7 @@ def _held_storages() -> set[int]:
         flatten = getattr(type(t), "__tensor_flatten__", None)
         if flatten is not None:
             names, _ = t.__tensor_flatten__()
-            todo.extend(getattr(t, n) for n in names)
+            todo.extend(inner for n in names if isinstance(inner := getattr(t, n, None), torch.Tensor))
             continue
         try:
             out.add(t.untyped_storage().data_ptr())

@@ -32,15 +32,25 @@ def lr_at(step: int, cfg: OptimizerSection, total_steps: int) -> float:
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimizerSection, device: torch.device) -> torch.optim.Optimizer:
     decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
     no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": part, "weight_decay": wd}
+              for plist, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for part in _by_tensor_kind(plist)]
     if cfg.name == OptimizerName.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr)
     # fused kernels where the device has them (CUDA); foreach on the CPU
     fused = device.type == "cuda"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused, foreach=None if fused else True)
+
+
+def _by_tensor_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """`params` split, in order, into runs a foreach kernel can take together: plain tensors apart from DTensors,
+    DTensors by device mesh (an MoE's replicated router and experts beside tensor-parallel attention, experts
+    sharded over the ep mesh). One list (maybe empty) when they are all of one kind, as for a dense model."""
+    from torch.distributed.tensor import DTensor
+
+    parts: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        parts.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
+    return list(parts.values()) or [[]]
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: OptimizerSection, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -107,17 +107,25 @@ def block_terms(m: PlanModel, micro_batch: int, recompute: str, p: Precision) ->
     s, b, h, f, a = m.seq_len, micro_batch, m.dim, m.mlp_width, m.heads
     kv = m.kv_heads * m.head_dim
     sbh, sbf, sb, e = s * b * h, s * b * f, s * b, p.e
+    moe = _moe_shape(m)
+    mlp = "no" if moe else "tp"  # an MoE layer is replicated over tp (trainer/models/moe/parallelize.py)
     if recompute == "full":
         return [Term("block input (checkpoint)", p.r * sbh, "sp")]
     if recompute == "selective":
-        return [
+        out = [
             Term("block input (checkpoint)", p.r * sbh, "sp"),
             Term("q, k, v (matmul outputs)", e * (sbh + 2 * s * b * kv), "tp"),
             Term("SDPA output", e * sbh, "tp"),
             Term("SDPA logsumexp (fp32)", 4 * a * sb, "tp"),
             Term("wo and w2 outputs (partial sums, full size)", 2 * e * sbh, "no"),
-            Term("w1 and w3 outputs", 2 * e * sbf, "tp"),
+            Term("w1 and w3 outputs", 2 * e * sbf, mlp),
         ]
+        if moe:
+            experts, top_k, shared = moe
+            out += [Term("MoE router logits (fp32 matmul output)", 4 * sb * experts, "no"),
+                    Term("MoE: the experts' w2 outputs, top_k rows per token (beyond one)",
+                         (top_k + (1 if shared else 0) - 1) * e * sbh, "no")]
+        return out
     if recompute != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}")
     out = _norm("attention_norm", sbh, sb, p, 3)
@@ -130,8 +138,22 @@ def block_terms(m: PlanModel, micro_batch: int, recompute: str, p: Precision) ->
     if p.casts:
         out.append(Term("RoPE cos/sin cast to bf16", 4 * 2 * s * m.head_dim, "no"))
     out += _norm("ffn_norm", sbh, sb, p, 2)
-    out.append(Term("w1 out, silu, w3 out, product", 4 * e * sbf, "tp"))
+    out.append(Term("w1 out, silu, w3 out, product", 4 * e * sbf, mlp))
+    if moe:
+        experts, top_k, _ = moe
+        out += [Term("MoE: tokens sorted by expert and the experts' outputs, top_k rows per token", 2 * e * top_k * sbh, "no"),
+                Term("MoE router: logits, scores, normalised scores (fp32)", 3 * 4 * sb * experts, "no"),
+                Term("MoE routing: expert ids, slot order, gate weights", (8 + 8 + 4 + 4) * top_k * sb, "no")]
     return out
+
+
+def _moe_shape(m: PlanModel) -> tuple[int, int, int] | None:
+    """(experts, top_k, shared) of the model's MoE blocks, None for a dense model. Every block is counted as
+    an MoE block (a first dense layer saves less: the plan errs high there)."""
+    blocks = [x for x in m.moe if x is not None]
+    if not blocks:
+        return None
+    return max(x.experts for x in blocks), max(x.top_k for x in blocks), max(x.shared for x in blocks)
 
 
 def head_terms(m: PlanModel, micro_batch: int, p: Precision) -> list[Term]:

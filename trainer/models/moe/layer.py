@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import compat
 from trainer.compat import grouped_mm
 from trainer.models.llama.model import FeedForward, _copy_full, param_seed
 
@@ -171,8 +172,8 @@ _GROUPED_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 def _probe_grouped(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether _grouped_mm runs forward and backward on this device type and dtype and agrees with
     the loop (with an empty group in the middle)."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may come from an eval
+    try:  # the first call may come from an evaluation, or from inside a block activation checkpointing recomputes
+        with compat.invisible_to_recompute(), torch.inference_mode(False), torch.enable_grad():
             gen = torch.Generator().manual_seed(0)
             w = [torch.randn(3, 8, 8, generator=gen).to(device, dtype).requires_grad_() for _ in range(3)]
             x = torch.randn(6, 8, generator=gen).to(device, dtype).requires_grad_()
@@ -215,10 +216,17 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, ffn_dim))
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x_sorted [N, D] grouped by expert, counts [E_local] rows per expert (summing to N) -> [N, D]."""
-        grouped = self.grouped if self.grouped is not None else grouped_mm_usable(x_sorted, self.w1)
+        """x_sorted [N, D] grouped by expert, counts [E_local] rows per expert (summing to N) -> [N, D].
+        Under autocast the experts compute in its dtype, as its matmuls would (torch._grouped_mm is on no
+        autocast list, so the cast is made here, for both paths alike)."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        device = x_sorted.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x_sorted, w1, w2, w3 = (t.to(dtype) for t in (x_sorted, w1, w2, w3))
+        grouped = self.grouped if self.grouped is not None else grouped_mm_usable(x_sorted, w1)
         swiglu = swiglu_grouped if grouped else swiglu_loop
-        return swiglu(x_sorted, counts, self.w1, self.w2, self.w3)
+        return swiglu(x_sorted, counts, w1, w2, w3)
 
 
 class Dispatch(Protocol):
