@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 
 def llama_params(cfg: ModelSection) -> list[Param]:
     """Every parameter of trainer.models.llama.model.Transformer, in registration order."""
+    return decoder_params(cfg, lambda i: dense_mlp_params(cfg, i, cfg.ffn_dim))
+
+
+def decoder_params(cfg: ModelSection, mlp_params) -> list[Param]:
+    """The Llama decoder's parameters in registration order, block i's MLP given by `mlp_params(i)` (a kind built
+    on this decoder, such as moe, brings its own MLP)."""
     d, hd = cfg.dim, cfg.dim // cfg.heads
-    q, kv, f = cfg.heads * hd, cfg.n_kv_heads * hd, cfg.ffn_dim
+    q, kv = cfg.heads * hd, cfg.n_kv_heads * hd
     out = [Param("tok_embeddings.weight", (cfg.vocab, d), 0, None, embedding=True)]
     for i in range(cfg.layers):
         pre = f"layers.{i}."
@@ -32,14 +38,19 @@ def llama_params(cfg: ModelSection) -> list[Param]:
             Param(pre + "attention.wv.weight", (kv, d), 0, i),
             Param(pre + "attention.wo.weight", (d, q), 1, i),
             Param(pre + "ffn_norm.weight", (d,), None, i),
-            Param(pre + "feed_forward.w1.weight", (f, d), 0, i),
-            Param(pre + "feed_forward.w2.weight", (d, f), 1, i),
-            Param(pre + "feed_forward.w3.weight", (f, d), 0, i),
+            *mlp_params(i),
         ]
     out.append(Param("norm.weight", (d,), None, None))
     if not cfg.tie_embeddings:
         out.append(Param("output.weight", (cfg.vocab, d), 0, None))
     return out
+
+
+def dense_mlp_params(cfg: ModelSection, i: int, f: int) -> list[Param]:
+    """Block i's SwiGLU of hidden size f: gate and up column-wise, down row-wise under tp."""
+    pre, d = f"layers.{i}.feed_forward.", cfg.dim
+    return [Param(pre + "w1.weight", (f, d), 0, i), Param(pre + "w2.weight", (d, f), 1, i),
+            Param(pre + "w3.weight", (f, d), 0, i)]
 
 
 def plan_model(cfg: ModelSection) -> PlanModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trainer.models.llama.plan import decoder_params, dense_mlp_params
 from trainer.plan.model import MoE, Param, PlanModel
 
 if TYPE_CHECKING:
@@ -19,39 +20,24 @@ if TYPE_CHECKING:
 
 def moe_params(cfg: MoEConfig) -> list[Param]:
     """Every parameter of trainer.models.moe.model.MoETransformer, in registration order."""
-    d, hd = cfg.dim, cfg.dim // cfg.heads
-    q, kv, e, fe = cfg.heads * hd, cfg.n_kv_heads * hd, cfg.experts, cfg.expert_ffn_dim
-    out = [Param("tok_embeddings.weight", (cfg.vocab, d), 0, None, embedding=True)]
-    for i in range(cfg.layers):
-        pre = f"layers.{i}."
-        out += [
-            Param(pre + "attention_norm.weight", (d,), None, i),
-            Param(pre + "attention.wq.weight", (q, d), 0, i),
-            Param(pre + "attention.wk.weight", (kv, d), 0, i),
-            Param(pre + "attention.wv.weight", (kv, d), 0, i),
-            Param(pre + "attention.wo.weight", (d, q), 1, i),
-            Param(pre + "ffn_norm.weight", (d,), None, i),
-        ]
-        if not cfg.is_moe_layer(i):
-            f = cfg.ffn_dim
-            out += [Param(pre + "feed_forward.w1.weight", (f, d), 0, i),
-                    Param(pre + "feed_forward.w2.weight", (d, f), 1, i),
-                    Param(pre + "feed_forward.w3.weight", (f, d), 0, i)]
-            continue
-        out += [
-            Param(pre + "feed_forward.router.gate.weight", (e, d), None, i),
-            Param(pre + "feed_forward.experts.w1", (e, fe, d), None, i, ep_dim=0),
-            Param(pre + "feed_forward.experts.w3", (e, fe, d), None, i, ep_dim=0),
-            Param(pre + "feed_forward.experts.w2", (e, d, fe), None, i, ep_dim=0),
-        ]
-        if cfg.shared_experts:
-            fs = fe * cfg.shared_experts
-            out += [Param(pre + "feed_forward.shared_experts.w1.weight", (fs, d), None, i),
-                    Param(pre + "feed_forward.shared_experts.w2.weight", (d, fs), None, i),
-                    Param(pre + "feed_forward.shared_experts.w3.weight", (fs, d), None, i)]
-    out.append(Param("norm.weight", (d,), None, None))
-    if not cfg.tie_embeddings:
-        out.append(Param("output.weight", (cfg.vocab, d), 0, None))
+    return decoder_params(cfg, lambda i: _mlp(cfg, i))
+
+
+def _mlp(cfg: MoEConfig, i: int) -> list[Param]:
+    if not cfg.is_moe_layer(i):
+        return dense_mlp_params(cfg, i, cfg.ffn_dim)
+    pre, d, e, fe = f"layers.{i}.feed_forward.", cfg.dim, cfg.experts, cfg.expert_ffn_dim
+    out = [
+        Param(pre + "router.gate.weight", (e, d), None, i),
+        Param(pre + "experts.w1", (e, fe, d), None, i, ep_dim=0),
+        Param(pre + "experts.w3", (e, fe, d), None, i, ep_dim=0),
+        Param(pre + "experts.w2", (e, d, fe), None, i, ep_dim=0),
+    ]
+    if cfg.shared_experts:
+        fs = fe * cfg.shared_experts
+        out += [Param(pre + "shared_experts.w1.weight", (fs, d), None, i),
+                Param(pre + "shared_experts.w2.weight", (d, fs), None, i),
+                Param(pre + "shared_experts.w3.weight", (fs, d), None, i)]
     return out
 
 
