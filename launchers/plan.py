@@ -111,6 +111,7 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
         f"per step: {t.model_flops:.3g} model FLOPs ({t.hardware_flops:.3g} with recompute); compute "
         f"{duration(t.compute_s)} + bubble {duration(t.bubble_s)} + tp comm {duration(t.tp_s)} + exposed dp comm "
         f"{duration(t.dp_s)}" + (f" + exposed cp comm {duration(t.cp_s)}" if t.cp_bytes else "")
+        + (f" + ep all-to-all {duration(t.ep_s)}" if t.ep_bytes else "")
         + f" + optimizer {duration(t.optimizer_s)} = [bold]{duration(t.step_s)}[/bold]", soft_wrap=True)
     console.print(f"predicted {t.tokens_per_s / e.world:,.0f} tokens/s per device ({t.tokens_per_s:,.0f} in all), "
                   f"MFU {t.mfu:.1%} of {e.device.peak_tflops:g} TFLOP/s", soft_wrap=True)

@@ -246,3 +246,21 @@ def test_the_routing_bias_evens_a_skewed_router_over_50_steps(score):
     assert first > 3.0
     assert last < 0.7 * first
     assert layer.expert_bias[0] < 0 < layer.expert_bias[7]  # the favoured expert is pushed down
+
+
+def test_plan_puts_the_all_to_all_in_the_step_time_and_search_tries_ep():
+    from trainer.manifest import load_manifest
+    from trainer.plan import estimate
+    from trainer.plan.devices import get_device
+    from trainer.plan.search import layouts
+
+    path = ROOT / "manifests/moe-tiny-cpu.yaml"
+    plans = {ep: estimate(load_manifest(path, [f"parallel.ep={ep}", "launcher.nproc=2"], data_files=False)[0], "h100")
+             for ep in (1, 2)}
+    assert plans[1].timing.ep_s == 0 and plans[2].timing.ep_s > 0
+    assert plans[2].timing.ep_bytes == plans[2].counts.all_to_all_bytes  # one pipeline rank: all of its blocks
+    t = plans[2].timing
+    assert t.step_s == pytest.approx(t.compute_s + t.bubble_s + t.tp_s + t.dp_s + t.optimizer_s + t.cp_s + t.ep_s)
+    base, _ = load_manifest(path, data_files=False)
+    tried = {o for layout in layouts(base, 4, get_device("h100")) for o in layout if o.startswith("parallel.ep=")}
+    assert tried == {"parallel.ep=1", "parallel.ep=2", "parallel.ep=4"}

@@ -132,6 +132,7 @@ class Estimate:
             "time": {"model_flops_per_step": t.model_flops, "hardware_flops_per_step": t.hardware_flops,
                      "compute_s": t.compute_s, "bubble_s": t.bubble_s, "tp_comm_s": t.tp_s, "dp_comm_exposed_s": t.dp_s,
                      "cp_comm_exposed_s": t.cp_s, "cp_bytes_per_step": t.cp_bytes,
+                     "ep_comm_exposed_s": t.ep_s, "ep_bytes_per_step": t.ep_bytes,
                      "optimizer_s": t.optimizer_s, "step_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                      "assumed_efficiency": t.efficiency,
                      "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
@@ -356,7 +357,7 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
                  share, pm.flops_per_token, run.tokens_per_step, remat, tuple(counts), ranks,
-                 schedule_options(run), p.cp, p.cp_kind.value)
+                 schedule_options(run), p.cp, p.cp_kind.value, p.ep)
 
 
 def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:
@@ -383,7 +384,7 @@ def _notes(run: Resolved, device: Device, t: Timing, counts: ModelCounts | None 
                    f"count these); routed experts {counts.experts:,}, {counts.experts_per_rank:,} per expert-parallel "
                    f"rank at ep {counts.ep} ({counts.experts_per_rank * 16 / 2**20:,.1f} MiB of fp32 weights, gradients and "
                    f"Adam moments before data-parallel sharding); all-to-all {counts.all_to_all_bytes / 2**20:,.1f} MiB "
-                   "sent per rank per step (not in the step time yet)")
+                   f"sent per rank per step ({t.ep_s * 1e3:.1f} ms exposed, in the step time)")
     if p.cp > 1:
         kind = ("Ulysses all-to-all, all exposed" if p.cp_kind.value == "ulysses"
                 else "ring K/V passing, exposed where a block's attention does not cover it")

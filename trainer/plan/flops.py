@@ -79,6 +79,13 @@ def block_forward_flops(m: PlanModel, tokens: float) -> float:
     return tokens * (2 * sum(m.active_block_params) + 4 * m.layers * m.dim * m.seq_len)
 
 
+def tp_share(m: PlanModel, tp: int) -> float:
+    """The share of the blocks' compute one tensor-parallel rank runs: 1/tp of what tp splits, all of what it
+    replicates (an MoE layer's router and experts: m.tp_replicated_active_params)."""
+    replicated = 2 * m.tp_replicated_active_params / block_forward_flops(m, 1)
+    return (1 - replicated) / tp + replicated
+
+
 def head_forward_flops(m: PlanModel, tokens: float) -> float:
     return tokens * 2 * m.vocab * m.dim
 
@@ -151,6 +158,7 @@ class Shape:
     schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/schedule.py: schedule_options)
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
     cp_kind: str = "ulysses"
+    ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,8 @@ class Timing:
     cp_s: float = 0.0  # exposed context-parallel communication (Ulysses all-to-all, ring K/V passing)
     cp_bytes: float = 0.0  # bytes one rank sends for context parallel per step
     sim_args: tuple = ()  # (schedule, pp, microbatches, virtual_stages, Costs in ms, options): what `sim` ran, for --steps
+    ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch and combine), exposed
+    ep_bytes: float = 0.0  # bytes one rank sends for expert parallel per step
 
     @property
     def imbalance(self) -> float:
@@ -201,8 +211,10 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     blk, head = block_pass_flops(m, x.recompute, split), head_pass_flops(m)
     last = len(counts) - 1
 
+    share = tp_share(m, x.tp)
+
     def per_stage(kind: str) -> list[float]:  # seconds of one microbatch through each virtual stage
-        return [(n * getattr(blk, kind) + (getattr(head, kind) if s == last else 0.0)) * mb_tokens / x.tp / rate
+        return [(n * getattr(blk, kind) * share + (getattr(head, kind) / x.tp if s == last else 0.0)) * mb_tokens / rate
                 for s, n in enumerate(counts)]
 
     f, b, w = per_stage("f"), per_stage("b"), per_stage("w")
@@ -263,11 +275,25 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
         exposed = 0.0
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     cp_s, cp_bytes = context_comm(x, device, e, rate)
-    step = compute + bubble + tp_s + exposed + optimizer + cp_s
+    ep_s, ep_bytes = expert_comm(x, device, e)
+    step = compute + bubble + tp_s + exposed + optimizer + cp_s + ep_s
     model = x.flops_per_token * x.global_tokens
     hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args)
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args,
+                  ep_s, ep_bytes)
+
+
+def expert_comm(x: Shape, device, e: int) -> tuple[float, float]:
+    """(exposed seconds, bytes sent) of expert parallel per step on the busiest pipeline rank: its MoE blocks'
+    all-to-alls (moe_all_to_all_bytes), each on the critical path (a layer's experts wait for their tokens),
+    over the ep ranks, which sit tp apart."""
+    if x.ep <= 1:
+        return 0.0, 0.0
+    m = x.model
+    tokens = x.micro_batch * m.seq_len / x.cp * x.microbatches
+    sent = moe_all_to_all_bytes(m, tokens, x.ep, e, recompute=x.recompute) * max(x.rank_layers) / max(m.layers, 1)
+    return sent / (_bandwidth(device, x.tp * x.ep) * 1e9), sent
 
 
 def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
@@ -304,10 +330,11 @@ def moe_all_to_all_bytes(m: PlanModel, tokens: float, ep: int, e: int, layers=No
 
         per MoE block  4 · tokens · top_k · dim · e · (ep - 1) / ep
 
-    Full recompute runs the block's forward again in the backward: 6 instead of 4. Dense blocks send nothing."""
+    Recompute runs the block's forward again in the backward, its all-to-alls included (selective keeps
+    matmul outputs, not what was received): 6 instead of 4. Dense blocks send nothing."""
     if ep <= 1 or not m.moe:
         return 0.0
-    passes = 6 if recompute == "full" else 4
+    passes = 6 if recompute in ("full", "selective") else 4
     blocks = range(m.layers) if layers is None else layers
     k = sum(m.moe[i].top_k for i in blocks if m.moe[i] is not None)
     return passes * tokens * k * m.dim * e * (ep - 1) / ep

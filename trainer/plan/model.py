@@ -144,6 +144,19 @@ class PlanModel:
         return tuple(out)
 
     @functools.cached_property
+    def tp_replicated_active_params(self) -> int:
+        """Of active_block_params (all blocks), the matrices tensor parallel does not split (tp_dim None): every
+        tp rank runs them whole (an MoE layer's router and experts); 0 for the Llama, whose only unsplit block
+        parameters are its norm vectors."""
+        total = 0
+        for i, b in enumerate(self.parts[1]):
+            m = self.moe[i] if self.moe else None
+            for q in b:
+                if q.tp_dim is None and q.is_matrix:
+                    total += q.numel if q.ep_dim is None or m is None else q.numel // m.experts * m.top_k
+        return total
+
+    @functools.cached_property
     def embedding_params(self) -> int:
         return sum(q.numel for q in self.parts[0])
 

@@ -4,7 +4,7 @@
     for c in found.best:                 # at most `top`, fastest first, every one fits
         print(c.set_line, c.estimate.timing.step_s)
 
-Enumerates dp_replicate x dp_shard x tp (with sequence parallel) x pp x schedule x
+Enumerates dp_replicate x dp_shard x tp (with sequence parallel) x ep (MoE kinds) x pp x schedule x
 micro_batch x recompute x optimizer_sharding x stage split (uniform where the layers
 divide, and `stage_layers: balanced` with a pipeline, so a pp that does not divide
 the layers is tried too) for the given number of GPUs, keeping the manifest's global
@@ -136,6 +136,15 @@ def _splits(layers: int, pp: int, v: int) -> list[str]:
     return out + (["balanced"] if pp > 1 else [])
 
 
+def _eps(pm: PlanModel, dp: int) -> list[int]:
+    """Expert-parallel degrees to try: those that divide both the data-parallel ranks and every MoE block's
+    experts; [0] (no ep override) for a dense model."""
+    experts = [m.experts for m in pm.moe if m is not None]
+    if not experts:
+        return [0]
+    return [d for d in _divisors(dp) if all(e % d == 0 for e in experts)]
+
+
 def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
     """Every layout to try, as --set overrides (the world first, then the parallel degrees and the batch)."""
     m = base.manifest
@@ -159,8 +168,8 @@ def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
                         for mb in [d for d in _divisors(g // dp) if d <= 64]:
                             if not _plausible(pm, tp, pp, v, g // (mb * dp), name):
                                 continue
-                            for rc, split in itertools.product(RECOMPUTE, _splits(pm.layers, pp, v)):
-                                yield world + [
+                            for rc, split, ep in itertools.product(RECOMPUTE, _splits(pm.layers, pp, v), _eps(pm, dp)):
+                                yield world + ([f"parallel.ep={ep}"] if ep else []) + [
                                     f"parallel.dp_replicate={dp // shard}", f"parallel.dp_shard={shard}",
                                     f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                                     f"parallel.pp={pp}", f"parallel.schedule={name}", f"parallel.virtual_stages={v}",
@@ -197,7 +206,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
             continue
         p = run.manifest.parallel
         counts = stage_counts(run) if p.pp > 1 else ()  # a balanced split equal to the uniform one is a repeat
-        key = (run.dp_replicate, run.dp_shard, p.tp, p.pp, p.schedule, p.virtual_stages, p.optimizer_sharding,
+        key = (run.dp_replicate, run.dp_shard, p.tp, p.ep, p.pp, p.schedule, p.virtual_stages, p.optimizer_sharding,
                run.batch.micro_batch, run.manifest.train.activation_checkpointing, counts)
         if key in seen:
             continue
