@@ -68,6 +68,7 @@ from trainer.ckpt_integrity import (
 from trainer.ckpt_paths import LATEST, STEP_NAME, latest_problem, step_dirs, stray_step_links
 from trainer.ckpt_preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
 from trainer.ckpt_storage import METADATA, ChecksummingWriter, SafeLoadPlanner, TrustedReader
+from trainer.optim import settle_kernels
 
 log = logging.getLogger(__name__)
 
@@ -347,6 +348,7 @@ class Checkpointer:
                 continue
             state, trainer_state, rng = loaded
             sync.load_state_dict(model, state)
+            settle_kernels(sync.optimizer)  # the kernel flags are this layout's, not the saving one's
             lr_schedule.load_state_dict(trainer_state["lr_schedule"])
             loader.load_state_dict(trainer_state["loader"])
             if rng is not None:

@@ -32,25 +32,40 @@ def lr_at(step: int, cfg: OptimizerSection, total_steps: int) -> float:
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimizerSection, device: torch.device) -> torch.optim.Optimizer:
     decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
     no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
-    groups = [{"params": part, "weight_decay": wd}
-              for plist, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for part in _by_tensor_kind(plist)]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     if cfg.name == OptimizerName.sgd:
         return torch.optim.SGD(groups, lr=cfg.lr)
     # fused kernels where the device has them (CUDA); foreach on the CPU
     fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused, foreach=None if fused else True)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
+                                  foreach=None if fused else True)
+    settle_kernels(optimizer)
+    return optimizer
 
 
-def _by_tensor_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """`params` split, in order, into runs a foreach kernel can take together: plain tensors apart from DTensors,
-    DTensors by device mesh (an MoE's replicated router and experts beside tensor-parallel attention, experts
-    sharded over the ep mesh). One list (maybe empty) when they are all of one kind, as for a dense model."""
+def settle_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Per parameter group: the multi-tensor kernels (foreach; fused on CUDA) take one kind of tensor per call,
+    so a group that mixes plain tensors with DTensors, or DTensors of different meshes (an MoE's replicated
+    router and experts beside tensor-parallel attention, experts sharded over the ep mesh), steps tensor by
+    tensor. The groups themselves stay the same under every layout (decay, no decay), so a checkpoint's
+    optimizer state and LR schedule load into any layout; call again after loading one, which restores
+    the kernel flags it was saved with."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and len(_kinds(group["params"])) > 1:
+            group["foreach"] = False
+            if group.get("fused"):
+                group["fused"] = False
+
+
+def _kinds(params: list[torch.nn.Parameter]) -> set:
+    """The kinds of tensor among `params`: None for plain tensors, a DTensor's mesh (meshes compare by ranks
+    and names, so equal sub-meshes made twice are one kind)."""
     from torch.distributed.tensor import DTensor
 
-    parts: dict[object, list[torch.nn.Parameter]] = {}
-    for p in params:
-        parts.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
-    return list(parts.values()) or [[]]
+    return {p.device_mesh if isinstance(p, DTensor) else None for p in params}
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: OptimizerSection, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
