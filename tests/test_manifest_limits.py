@@ -119,44 +119,55 @@ def test_set_values_have_the_same_limits(tmp_path, capsys):
     assert err.startswith(f"--set {override}: error: name: nested more than 64 levels deep") and "Traceback" not in err
 
 
-def _leaves(schema: dict, node: dict | None = None, path: tuple[str, ...] = ()):
-    """(dotted field, JSON Schema, is a list element) for each alternative of every field of the manifest schema."""
+def _leaves(schema: dict, node: dict | None = None, path: tuple[str, ...] = (), kind: str = "llama"):
+    """(dotted field, JSON Schema, is a list element, the model kind whose section holds it) for each
+    alternative of every field of the manifest schema."""
     node = schema if node is None else node
     if "$ref" in node:
         node = schema["$defs"][node["$ref"].split("/")[-1]]
     for branch in node.get("oneOf", []):  # the model section: one branch per model kind
-        yield from _leaves(schema, branch, path)
+        resolved = schema["$defs"][branch["$ref"].split("/")[-1]] if "$ref" in branch else branch
+        yield from _leaves(schema, branch, path, resolved["properties"]["kind"].get("const", kind))
     if "properties" in node:
         for key, sub in node["properties"].items():
-            yield from _leaves(schema, sub, path + (key,))
+            yield from _leaves(schema, sub, path + (key,), kind)
         return
     for alternative in node.get("anyOf", [node]):
-        yield ".".join(path), alternative, False
+        if alternative is not node and ("$ref" in alternative or "properties" in alternative):
+            yield from _leaves(schema, alternative, path, kind)  # an optional section: its own fields
+            continue
+        yield ".".join(path), alternative, False, kind
         for item in [alternative.get("items", {}), *alternative.get("prefixItems", [])]:
-            yield ".".join(path), item, True
+            yield ".".join(path), item, True, kind
 
 
 SCHEMA = json.loads((ROOT / "manifests/schema.json").read_text())
 
 
 def test_every_integer_field_states_its_upper_bound():
-    integers = [(field, s) for field, s, _ in _leaves(SCHEMA) if s.get("type") == "integer" and "const" not in s]
+    integers = [(field, s) for field, s, _, _ in _leaves(SCHEMA) if s.get("type") == "integer" and "const" not in s]
     assert len(integers) > 25
     unbounded = [field for field, s in integers if "maximum" not in s]
     assert not unbounded, unbounded
 
 
-FLOATS = sorted({field for field, s, element in _leaves(SCHEMA) if s.get("type") == "number" and not element})
+FLOATS = sorted({(field, kind) for field, s, element, kind in _leaves(SCHEMA) if s.get("type") == "number" and not element})
+# the model section of each kind's manifest (a field of another kind's section is an unknown key there)
+MODELS = {"moe": "model: {kind: moe, dim: 32, layers: 2, heads: 4, vocab: 256, seq_len: 32, experts: 4, top_k: 2, "
+                 "expert_ffn_dim: 32}"}
 
 
 def test_the_float_fields_are_found():
-    assert {"optimizer.lr", "optimizer.min_lr", "model.rope_theta", "train.hang_timeout_s"} <= set(FLOATS)
+    fields = {field for field, _ in FLOATS}
+    assert {"optimizer.lr", "optimizer.min_lr", "model.rope_theta", "train.hang_timeout_s"} <= fields
+    assert {("model.capacity_factor", "moe"), ("model.balance.aux_loss.coeff", "moe")} <= set(FLOATS)
 
 
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
-@pytest.mark.parametrize("field", FLOATS)
-def test_every_float_field_rejects_nan_and_inf(field, value, tmp_path, capsys):
-    path = write(tmp_path, BASE)
+@pytest.mark.parametrize("field, kind", FLOATS)
+def test_every_float_field_rejects_nan_and_inf(field, kind, value, tmp_path, capsys):
+    base = BASE if kind == "llama" else BASE.replace(BASE.splitlines()[1], MODELS[kind])
+    path = write(tmp_path, base)
     assert main(["validate", str(path), "--set", f"{field}={value}"]) == 2
     err = capsys.readouterr().err
     assert f"error: {field}: must be a finite number" in err, err
