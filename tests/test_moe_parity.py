@@ -44,35 +44,26 @@ def assert_same_moe_metrics(reference, candidate, rel: float = 1e-5) -> None:
         assert b["moe_dropped_fraction"] == 0.0
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_on_ranks(tmp_path_factory.mktemp("moe-ref"), "single", 1, BASE, steps=STEPS)
-
-
-def test_the_reference_balances_clips_and_moves_the_bias(reference):
-    rows, _ = reference
-    assert all(r["moe_bias_norm"] > 0 for r in rows)  # the bias moved from the first step on
-    assert all(0.5 < r["moe_aux_loss"] < 8 for r in rows)  # E·Σ f·P: 1 at uniform load, E = 8 all on one
-    assert all(r["moe_load_max_over_mean"] > 1.0 for r in rows)
-    assert max(r["grad_norm"] for r in rows) > 0.5  # clipping took part
-
-
-def test_ep2_matches_one_process(reference, tmp_path):
-    got = train_on_ranks(tmp_path, "ep2", 2, layout(ep=2), steps=STEPS)
-    assert_same_training(reference, got)
-    assert_same_moe_metrics(reference, got)
-
-
 ADAMW = {"optimizer": {"name": "adamw", "lr": 1e-2, "warmup": 0, "grad_clip": 0.5}}
+GLOBAL = {"model": MOE | {"balance": {"aux_loss": {"scope": "global-batch", "coeff": 0.5}}},
+          "optimizer": {"name": "sgd", "lr": 0.3, "warmup": 0, "grad_clip": 0.0}}
+MICRO = {"model": MOE | {"balance": {"aux_loss": {"scope": "micro-batch", "coeff": 0.5}}},
+         "optimizer": GLOBAL["optimizer"]}
 
 
 @pytest.fixture(scope="module")
-def adamw_reference(tmp_path_factory):
-    return train_on_ranks(tmp_path_factory.mktemp("moe-adamw"), "adamw", 1, BASE | ADAMW, steps=STEPS)
+def one(tmp_path_factory):
+    """The one-process runs, in one process: the reference, with AdamW, and global-batch scope over one
+    micro-batch of the whole global batch."""
+    return train_layouts(tmp_path_factory.mktemp("moe-one"), 1, {
+        "single": BASE, "adamw": BASE | ADAMW, "one-global": GLOBAL | {"train": {"micro_batch": 8}},
+    }, steps=STEPS)
 
 
-def test_four_rank_layouts_match_one_process(reference, adamw_reference, tmp_path):
-    runs = train_layouts(tmp_path, 4, {
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """Every 4-rank layout, in one launch."""
+    return train_layouts(tmp_path_factory.mktemp("moe-four"), 4, {
         # AdamW's foreach kernels over tensor-parallel DTensors beside the replicated MoE parameters
         "adamw-ep2-tp2-sp": layout(ep=2, tp=2, sequence_parallel=True) | ADAMW,
         "ep4": layout(ep=4),
@@ -81,31 +72,42 @@ def test_four_rank_layouts_match_one_process(reference, adamw_reference, tmp_pat
         "ep2-pp2-zbh1": layout(ep=2, pp=2, schedule="zb-h1"),
         "ep2-tp2": layout(ep=2, tp=2),
         "ep2-tp2-sp-zero3": layout(ep=2, tp=2, sequence_parallel=True, optimizer_sharding="zero3"),
+        "global-dp4": GLOBAL, "micro-dp4": MICRO,
     }, steps=STEPS)
-    adamw = runs.pop("adamw-ep2-tp2-sp")  # AdamW amplifies round-off in parameters (DESIGN.md): losses only
-    for a, b in zip(adamw_reference[0], adamw[0]):
+
+
+def test_the_reference_balances_clips_and_moves_the_bias(one):
+    rows, _ = one["single"]
+    assert all(r["moe_bias_norm"] > 0 for r in rows)  # the bias moved from the first step on
+    assert all(0.5 < r["moe_aux_loss"] < 8 for r in rows)  # E·Σ f·P: 1 at uniform load, E = 8 all on one
+    assert all(r["moe_load_max_over_mean"] > 1.0 for r in rows)
+    assert max(r["grad_norm"] for r in rows) > 0.5  # clipping took part
+
+
+def test_ep2_matches_one_process(one, tmp_path):
+    got = train_on_ranks(tmp_path, "ep2", 2, layout(ep=2), steps=STEPS)
+    assert_same_training(one["single"], got)
+    assert_same_moe_metrics(one["single"], got)
+
+
+@pytest.mark.parametrize("name", ["ep4", "ep2-dp2-zero2", "ep2-pp2-1f1b", "ep2-pp2-zbh1", "ep2-tp2", "ep2-tp2-sp-zero3"])
+def test_four_rank_layouts_match_one_process(one, four, name):
+    assert_same_training(one["single"], four[name])
+    assert_same_moe_metrics(one["single"], four[name])
+
+
+def test_adamw_under_tp_and_ep_trains_like_one_process(one, four):
+    """AdamW amplifies round-off in parameters (DESIGN.md): the losses and norms are compared."""
+    for a, b in zip(one["adamw"][0], four["adamw-ep2-tp2-sp"][0]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
-    for name, got in runs.items():
-        try:
-            assert_same_training(reference, got)
-            assert_same_moe_metrics(reference, got)
-        except AssertionError as exc:
-            raise AssertionError(f"{name}: {exc}") from exc
 
 
-GLOBAL = {"model": MOE | {"balance": {"aux_loss": {"scope": "global-batch", "coeff": 0.5}}},
-          "optimizer": {"name": "sgd", "lr": 0.3, "warmup": 0, "grad_clip": 0.0}}
-MICRO = {"model": MOE | {"balance": {"aux_loss": {"scope": "micro-batch", "coeff": 0.5}}},
-         "optimizer": GLOBAL["optimizer"]}
-
-
-def test_global_batch_balance_does_not_depend_on_the_split_over_ranks(tmp_path):
-    one = train_on_ranks(tmp_path, "one", 1, GLOBAL | {"train": {"micro_batch": 8}}, steps=STEPS)
-    runs = train_layouts(tmp_path, 4, {"global-dp4": GLOBAL, "micro-dp4": MICRO}, steps=STEPS)
-    assert_same_training(one, runs["global-dp4"])
-    assert_same_moe_metrics(one, runs["global-dp4"])
+def test_global_batch_balance_does_not_depend_on_the_split_over_ranks(one, four):
+    assert_same_training(one["one-global"], four["global-dp4"])
+    assert_same_moe_metrics(one["one-global"], four["global-dp4"])
     # micro-batch scope balances each rank's 2 samples on their own: another gradient, another model
-    _, micro_params = runs["micro-dp4"]
+    _, micro_params = four["micro-dp4"]
+    _, params = one["one-global"]
     router = "layers.0.feed_forward.router.gate.weight"
-    diff = (micro_params[router] - one[1][router]).abs().max().item() / one[1][router].abs().max().item()
+    diff = (micro_params[router] - params[router]).abs().max().item() / params[router].abs().max().item()
     assert diff > 1e-3, f"micro-batch scope trained the router like global-batch scope ({diff:.1e})"

@@ -1,5 +1,5 @@
-"""The moe kind trained through `mantra run` (one process): the auxiliary loss evens the load, and a resumed run
-continues exactly (the routing bias is part of the checkpoint)."""
+"""The moe kind trained through `mantra run`: the auxiliary loss evens the load, and a one-rank checkpoint resumes at
+tp2 x ep2 as the one-rank run continues (the routing bias and the optimizer state are part of the checkpoint)."""
 
 from __future__ import annotations
 
@@ -40,22 +40,6 @@ def test_the_auxiliary_loss_evens_the_load(tmp_path):
     print(f"moe_load_max_over_mean, last 20 of 50 steps: no balancing {loads['none']:.3f}, aux loss {loads['aux']:.3f}")
     assert loads["none"] > 3.0
     assert loads["aux"] < 0.6 * loads["none"]
-
-
-def test_a_resumed_run_continues_exactly(tmp_path):
-    balance = {"aux_loss": {"coeff": 0.01}, "bias": True}
-    straight = write(tmp_path, "straight", balance, 4)
-    assert mantra("run", straight).returncode == 0
-    resumed = write(tmp_path, "resumed", balance, 2)
-    assert mantra("run", resumed).returncode == 0  # a completed run saves its last step
-    proc = mantra("run", resumed, "--set", "train.steps=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
-    got = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(want, got):
-        for key in ("loss", "grad_norm", "moe_bias_norm", "moe_aux_loss", "moe_load_max_over_mean"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6), (key, a["step"])
 
 
 def test_a_checkpoint_reshards_to_tensor_and_expert_parallel(tmp_path):
