@@ -64,13 +64,11 @@ def after_step(parts, mesh, applied: bool) -> None:
 def _row(layer) -> list[float]:
     """The metrics row of one layer from its last step's global statistics."""
     last = layer.balance.last
+    p = last.parts(layer.num_experts) if last is not None else None
+    tokens = float(p["tokens"]) if p is not None else 0.0
+    if tokens <= 0:  # no step closed yet, or one without tokens: the row is not present
+        return [0.0] * _COLUMNS
     bias_sq = float(layer.expert_bias.float().pow(2).sum()) if layer.expert_bias is not None else 0.0
-    if last is None:
-        return [0.0] * (_COLUMNS - 1) + [0.0]
-    p = last.parts(layer.num_experts)
-    tokens = float(p["tokens"])
-    if tokens <= 0:
-        return [0.0, 0.0, 0.0, 0.0, 0.0, bias_sq, 0.0]
     routed = tokens * layer.top_k
     f = p["counts"] / routed
     prob = p["prob_sum"] / tokens
