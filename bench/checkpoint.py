@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import Checkpointer
-from trainer.ckpt_integrity import ALGORITHM, checksum_bytes, checksum_file
-from trainer.data import build_loader
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.integrity import ALGORITHM, checksum_bytes, checksum_file
+from trainer.data.loader import build_loader
 from trainer.assemble import build_model
 from trainer.loop import train_step
 from trainer.manifest import load_manifest

@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.corpus.dedup import Params, dedup_corpus  # noqa: E402
-from trainer.corpus.tokenize import tokenize_corpus  # noqa: E402
+from trainer.data.corpus.dedup import Params, dedup_corpus  # noqa: E402
+from trainer.data.corpus.tokenize import tokenize_corpus  # noqa: E402
 
 SHIPPED = ROOT / "manifests" / "data" / "python-docs.txt"
 

@@ -126,12 +126,12 @@ def _first_row(metrics: Path, poll_s: float = 0.005):
 
 
 def _live_tensors():
-    """On the CPU, the peak of live tensors (trainer.memtrack) stands in for max_memory_allocated; a no-op on a GPU."""
+    """On the CPU, the peak of live tensors (trainer.report.memtrack) stands in for max_memory_allocated; a no-op on a GPU."""
     import torch
 
     if torch.cuda.is_available():
         return contextlib.nullcontext()
-    from trainer.memtrack import LiveTensorTracker
+    from trainer.report.memtrack import LiveTensorTracker
 
     return LiveTensorTracker()
 

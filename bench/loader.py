@@ -4,7 +4,7 @@
     python bench/loader.py --steps 50
 
 For each case (the tiny-cpu manifest's shape; a long-sequence shape), on a
-3-source blend of memmapped uint16 token files (trainer/blend.py):
+3-source blend of memmapped uint16 token files (trainer/data/blend.py):
   read_samples_per_s    one thread reading steps synchronously (`Loader.read`)
   step_samples_per_s    what the training step consumes: tiny-cpu's model, forward
                         + backward + AdamW on this machine (first case only; the
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.data import build_loader
+from trainer.data.loader import build_loader
 from trainer.manifest.schema import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]

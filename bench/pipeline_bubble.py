@@ -11,7 +11,7 @@ on 2 cores measure the schedule and not the core count. Per step: a barrier, the
 bubble = 1 - sum(busy) / (p * makespan), the simulator's definition. Reported: the median step,
 the simulated makespan (`simulate`, T_F = T_B = T_W = unit, no comm time) and measured / simulated
 (goal <= 1.05), and the bubbles of ZB-H1 and ZB-H2 relative to 1F1B's. Also the simulated steady
-bubble over max(steps, 6) consecutive steps (trainer/parallel/pipeline/steps.py): with the barrier the
+bubble over max(steps, 6) consecutive steps (trainer/parallel/pipeline/analysis/steps.py): with the barrier the
 runtime has between steps, and with the zero-bubble paper's post-validation overlap, which the runtime
 does not implement yet (so that figure is a prediction, not a measurement).
 """

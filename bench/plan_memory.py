@@ -5,7 +5,7 @@ tests hold: each family is sized so that its term dominates the peak.
     python bench/plan_memory.py --only logits        # names containing "logits"
     python bench/plan_memory.py --out bench/results/plan_memory-DATE.jsonl     # one JSON line per run
 
-Each run trains 3 steps (AdamW, fp32 unless named bf16) on CPU ranks under trainer.memtrack's
+Each run trains 3 steps (AdamW, fp32 unless named bf16) on CPU ranks under trainer.report.memtrack's
 LiveTensorTracker (tests/plan_rank.py) and compares the largest rank's steady peak (after the first optimizer
 step) with `estimate(run, "cpu")`. The table in docs/plan.md comes from here.
 """

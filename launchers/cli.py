@@ -70,8 +70,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from launchers.local import run_local
     from launchers.rundir import RunDirError, claim_run_dir
-    from trainer.ckpt_preflight import CheckpointDirError, check_writable
-    from trainer.data import DataError
+    from trainer.checkpoint.preflight import CheckpointDirError, check_writable
+    from trainer.data.loader import DataError
 
     run = _load(args)
     try:
@@ -182,7 +182,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from trainer.export import ExportError, export_hf
+    from trainer.checkpoint.export import ExportError, export_hf
 
     try:
         out = export_hf(args.checkpoint, args.out, verify=args.verify == "full")
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt as exc:  # before the run's own handlers, or a second Ctrl-C (trainer/preempt.py)
+    except KeyboardInterrupt as exc:  # before the run's own handlers, or a second Ctrl-C (trainer/run/preempt.py)
         print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         return 130
 

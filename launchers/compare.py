@@ -23,7 +23,7 @@ from xml.sax.saxutils import escape
 
 from launchers.runs import (find_runs, integer, is_run_dir, number, parse_row, printable, read_manifest, section,
                            small_text)
-from trainer.metrics import METRIC_KEYS
+from trainer.report.meter import METRIC_KEYS
 
 SWEEP_RECORD = "sweep.json"
 PLOTTABLE = tuple(k for k in METRIC_KEYS if k != "step")

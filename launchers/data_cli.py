@@ -1,4 +1,4 @@
-"""`mantra data`: corpus tools (trainer/corpus/), each with a progress bar on a terminal and a one-line summary.
+"""`mantra data`: corpus tools (trainer/data/corpus/), each with a progress bar on a terminal and a one-line summary.
 
     mantra data tokenize IN... --out FILE.bin [--field text] [--tokenizer tokenizer.json] [--workers N]
     mantra data dedup IN... --out OUT.jsonl [--field text] [--exact] [--threshold 0.8]
@@ -23,7 +23,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     """Run a command; a CorpusError is one `error:` line and exit 2."""
 
     def run(args: argparse.Namespace) -> int:
-        from trainer.corpus import CorpusError
+        from trainer.data.corpus import CorpusError
 
         try:
             return fn(args)
@@ -35,7 +35,7 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from trainer.corpus.tokenize import tokenize_corpus
+    from trainer.data.corpus.tokenize import tokenize_corpus
 
     summary = tokenize_corpus(args.inputs, args.out, field=args.field, tokenizer=args.tokenizer,
                               workers=args.workers, dtype=args.dtype, eos=args.eos, skip_bad=args.skip_bad)
@@ -44,7 +44,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 
 def _dedup(args: argparse.Namespace) -> int:
-    from trainer.corpus.dedup import Params, dedup_corpus
+    from trainer.data.corpus.dedup import Params, dedup_corpus
 
     params = Params(field=args.field, exact_only=args.exact, threshold=args.threshold, num_perm=args.num_perm,
                     ngram=args.ngram, char=args.char)
@@ -54,7 +54,7 @@ def _dedup(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from trainer.corpus.inspect import inspect_tokens, plot_lengths, report_lines
+    from trainer.data.corpus.inspect import inspect_tokens, plot_lengths, report_lines
 
     found = inspect_tokens(args.file, tokenizer=args.tokenizer, dtype=args.dtype)
     lines = report_lines(found)

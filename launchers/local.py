@@ -66,10 +66,10 @@ def rank_threads(nproc: int, environ: Mapping[str, str] = os.environ,
 
 def run_local(run: Resolved) -> int:
     """Train; returns the exit code: 0 done, 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 saved
-    on Ctrl-C (or aborted by a second one), 124 hung (trainer/watchdog.py), 1 a rank failed."""
+    on Ctrl-C (or aborted by a second one), 124 hung (trainer/run/watchdog.py), 1 a rank failed."""
     if run.world_size == 1:
         from launchers.rank import run_rank
-        from trainer.preempt import PreemptionFlag
+        from trainer.run.preempt import PreemptionFlag
 
         preempt = PreemptionFlag().install()  # before the run directory exists: a signal then is honoured
         try:

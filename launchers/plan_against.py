@@ -4,7 +4,7 @@
     mantra plan manifests/tiny-cpu.yaml --against runs/tiny-cpu          # a table, one row per rank
     mantra plan manifests/tiny-cpu.yaml --against runs/tiny-cpu --json
 
-A run with `logging.memory: tensors` leaves <run dir>/memory/rank-<r>.json (trainer/memtrack.py
+A run with `logging.memory: tensors` leaves <run dir>/memory/rank-<r>.json (trainer/report/memtrack.py
 RunMemory). The comparison is against the steady peak (after the first optimizer step: what the
 plan models, with optimizer states in place); the whole-run peak is shown too. The plan is made for the
 device the run used: a CPU run is planned for `cpu` whatever --gpu says (gloo's buffers, foreach AdamW).

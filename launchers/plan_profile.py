@@ -8,7 +8,7 @@ It prints the measured seconds of one microbatch per virtual stage, then every s
 manifest's chunks per rank, simulated with those times: step, bubble and the most microbatches a rank
 holds, with zb-auto generated from them at the manifest's max_inflight (default pp) and at ZB-H2's 2pp-1.
 The last line is the `--set` that makes zb-auto use the measured times (parallel.schedule_costs).
-Communication is not measured (comm 0; trainer/parallel/pipeline/profile.py).
+Communication is not measured (comm 0; trainer/parallel/pipeline/analysis/profile.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from trainer.manifest import load_manifest
 from trainer.parallel.pipeline import StageLayout, simulate_ranks
-from trainer.parallel.pipeline.checks import peak_inflight
-from trainer.parallel.pipeline.profile import ProfileError, read_costs
+from trainer.parallel.pipeline.analysis.checks import peak_inflight
+from trainer.parallel.pipeline.analysis.profile import ProfileError, read_costs
 from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
 
 

@@ -6,7 +6,7 @@ Rank 0 logs to the console; the other ranks log to <run dir>/logs/rank<N>.log.
 A failing rank's traceback is recorded for torchrun, which shows it and stops
 the other ranks.
 
-The signal handlers (trainer/preempt.py) go in before anything heavy is imported: a SIGTERM, SIGUSR1
+The signal handlers (trainer/run/preempt.py) go in before anything heavy is imported: a SIGTERM, SIGUSR1
 or Ctrl-C during imports, rendezvous or the model build is kept and honoured at the first step
 boundary, instead of killing the rank half-started. Nothing above `main` may import torch.
 
@@ -23,14 +23,14 @@ import logging
 import sys
 from pathlib import Path
 
-from trainer.preempt import INTERRUPT_EXIT_CODE, PreemptionFlag, StopRequested
+from trainer.run.preempt import INTERRUPT_EXIT_CODE, PreemptionFlag, StopRequested
 
 log = logging.getLogger("launchers.rank")
 
 
 class CurrentStderr:
     """Writes to sys.stderr as it is at each record, not as it was when logging was set up: while the
-    console's live progress line is up (trainer/progress.py), rich points sys.stderr at a proxy that
+    console's live progress line is up (trainer/report/progress.py), rich points sys.stderr at a proxy that
     prints above that line, and a record written past the proxy would land in the middle of it."""
 
     def write(self, text: str) -> int:
@@ -63,7 +63,7 @@ def setup_logging(info, run_dir: Path) -> None:
 def run_rank(manifest_path: Path, preempt: PreemptionFlag | None = None):
     """Train this rank; returns trainer.loop.TrainResult (steps, final loss, run dir).
 
-    A stop on a signal leaves through trainer.preempt.StopRequested (a SystemExit: 75 or 130) after
+    A stop on a signal leaves through trainer.run.preempt.StopRequested (a SystemExit: 75 or 130) after
     its checkpoint is committed. `preempt`: handlers already installed by the caller; without it they
     are installed first thing here and removed at the end."""
     own = preempt is None

@@ -4,7 +4,7 @@
       run.lock           flock'ed by the process that owns the run (`mantra run`, or Slurm task 0):
                          the holder's host and PID, for the message a second run gets
       fingerprint.json   model shape, vocab and data identity: what a checkpoint of this run needs
-      status.json        running | completed | failed | ... (trainer/run_status.py)
+      status.json        running | completed | failed | ... (trainer/run/status.py)
 
 `claim_run_dir` is what a launcher calls before it writes anything into the run directory:
 - another live run holds the lock: exit 2 naming its host and PID (the OS releases an flock when its
@@ -33,7 +33,7 @@ from typing import Any
 
 from trainer.manifest import Resolved
 from trainer.manifest.schema import DataSource
-from trainer.run_status import read_status
+from trainer.run.status import read_status
 
 LOCK = "run.lock"
 FINGERPRINT = "fingerprint.json"

@@ -6,7 +6,7 @@
   `--gpus-per-node` = gpus_per_node where the partition has GPUs. On a CPU-only partition (no GPU
   gres) the same manifest asks for no GPUs and gpus_per_node is simply the tasks per node;
 - `--signal=USR1@<signal_grace_s>`: Slurm warns every task that long before the time limit. The
-  trainer's handler (trainer/preempt.py) saves a committed checkpoint at the next step boundary on
+  trainer's handler (trainer/run/preempt.py) saves a committed checkpoint at the next step boundary on
   all ranks together and exits 75; `run_task` then leaves a requeue marker, and the batch script,
   still alive, runs `scontrol requeue`; the next allocation resumes from the checkpoint. submitit's
   own USR2 handler is not used: it checkpoints from task 0 alone, and every rank must save;
@@ -20,7 +20,7 @@
 - `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
 - the batch script exits with srun's own exit code (taken the moment srun returns), so a task killed by
   a signal fails the job instead of leaving it COMPLETED; a node that dies is Slurm's to requeue
-  (`--requeue`), and a job whose ranks found it hung (status.json `hung`, trainer/watchdog.py) the
+  (`--requeue`), and a job whose ranks found it hung (status.json `hung`, trainer/run/watchdog.py) the
   script requeues itself, at most MAX_HANG_REQUEUES times (`hang_requeue`);
 - on several nodes (launcher.slurm.nodes) every task finds its rank and the rendezvous from Slurm alone
   (`rendezvous_env`) and says where it runs in its log's first line (`where_am_i`);
@@ -156,7 +156,7 @@ MAX_HANG_REQUEUES = 2  # a hang that comes back on every allocation is the run's
 
 def hang_requeue(runs: list[Resolved]) -> list[str]:
     """Batch-script lines: when a rank's watchdog found the job hung (status.json `hung`, its stacks in the
-    logs: trainer/watchdog.py) the job is requeued like one that lost a node, and resumes from its last
+    logs: trainer/run/watchdog.py) the job is requeued like one that lost a node, and resumes from its last
     committed checkpoint; at most MAX_HANG_REQUEUES times (SLURM_RESTART_COUNT), then it stays FAILED."""
     dirs = " ".join(shlex.quote(str(r.run_dir.resolve())) for r in runs)
     return [
@@ -321,7 +321,7 @@ def after_requeue_exit(manifest_path: Path, rank: int) -> str:
         marker = Path(os.environ["SUBMITIT_FOLDER"]) / REQUEUE_MARKER.format(job_id=os.environ["SLURM_JOB_ID"])
         marker.touch()
     elif cause == CANCELLED and rank == 0:
-        from trainer.run_status import RunStatus
+        from trainer.run.status import RunStatus
 
         status = RunStatus(manifest_path.parent, is_rank0=True)
         step = status.read().get("step")
@@ -341,7 +341,7 @@ def run_task(manifest_path: str) -> dict:
     import logging
 
     from launchers.rank import run_rank
-    from trainer.preempt import REQUEUE_EXIT_CODE
+    from trainer.run.preempt import REQUEUE_EXIT_CODE
 
     logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
     if int(os.environ["RANK"]) == 0:  # one run per directory while the job runs (launchers/rundir.py)

@@ -23,7 +23,7 @@ No orphans. If mantra dies, even by SIGKILL:
   that forked the rank exits, and which of torchrun's threads starts the workers is torch's business.
 So every process of the run is gone about a second after mantra.
 
-Hangs. When status.json turns `hung` (trainer/watchdog.py: the live ranks dump their stacks and
+Hangs. When status.json turns `hung` (trainer/run/watchdog.py: the live ranks dump their stacks and
 leave), mantra gives them a moment, then kills what is left (a SIGSTOPped rank obeys only SIGKILL,
 and torchrun would wait 30 s before sending it) and exits 124.
 
@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.preempt import INTERRUPT_EXIT_CODE, Interrupted, PreemptionFlag, RequeueRequested
-from trainer.run_status import RunStatus, read_status
-from trainer.watchdog import HUNG_EXIT_CODE
+from trainer.run.preempt import INTERRUPT_EXIT_CODE, Interrupted, PreemptionFlag, RequeueRequested
+from trainer.run.status import RunStatus, read_status
+from trainer.run.watchdog import HUNG_EXIT_CODE
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_CODES = {  # how the ranks say they stopped (status.json) -> mantra's exit code

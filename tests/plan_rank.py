@@ -111,7 +111,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     from trainer.loop import train
     from trainer.manifest import load_manifest
-    from trainer.memtrack import LiveTensorTracker
+    from trainer.report.memtrack import LiveTensorTracker
 
     out, ports = Path(sys.argv[1]), os.environ.get("PLAN_PORTS", "").split(",")
     rank = int(os.environ.get("RANK", 0))

@@ -1,4 +1,4 @@
-"""`parallel.stage_layers: balanced`: the balancer (trainer/parallel/pipeline/balance.py), and that the runtime,
+"""`parallel.stage_layers: balanced`: the balancer (trainer/parallel/pipeline/analysis/balance.py), and that the runtime,
 `mantra dry-run` and `mantra plan` read the same split from it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import ROOT, mantra
 from launchers.dry_run import print_dry_run
 from launchers.plan import split_lines
 from trainer.manifest import load_manifest
-from trainer.parallel.pipeline.balance import ChunkCosts, TooFewLayers, balance, rank_loads
+from trainer.parallel.pipeline.analysis.balance import ChunkCosts, TooFewLayers, balance, rank_loads
 from trainer.plan.split import costs_for, simulated_step, stage_counts
 from trainer.parallel.pipeline.stages import StageLayout
 

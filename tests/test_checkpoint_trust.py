@@ -53,7 +53,7 @@ def copy_run(trained: Path, tmp_path: Path, settings: dict | None = None) -> tup
 
 def forge_marker_entry(step: Path, name: str) -> None:
     """Rewrite COMMITTED so that `name` matches it: an attacker who can also write the marker."""
-    from trainer.ckpt_integrity import checksum_file
+    from trainer.checkpoint.integrity import checksum_file
 
     marker = json.loads((step / "COMMITTED").read_text())
     size, digest = checksum_file(step / name, marker["algorithm"])
@@ -162,7 +162,7 @@ def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
 @pytest.fixture
 def local(tmp_path):
     """A tiny model, its optimizer (after one real step, so AdamW has state), LR schedule and loader."""
-    from trainer.data import build_loader
+    from trainer.data.loader import build_loader
     from trainer.assemble import build_model
     from trainer.loop import train_step
     from trainer.manifest import load_manifest
@@ -185,7 +185,7 @@ def local(tmp_path):
 
 
 def test_a_state_holding_nan_is_never_committed(local, tmp_path):
-    from trainer.checkpoint import Checkpointer, NonFiniteCheckpoint
+    from trainer.checkpoint.checkpointer import Checkpointer, NonFiniteCheckpoint
 
     model, sync, schedule, loader = local
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu"))
@@ -199,8 +199,8 @@ def test_a_state_holding_nan_is_never_committed(local, tmp_path):
 
 
 def test_an_async_save_records_every_file_and_verifies_on_load(local, tmp_path):
-    from trainer.checkpoint import Checkpointer
-    from trainer.ckpt_integrity import checksum_file
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.integrity import checksum_file
 
     model, sync, schedule, loader = local
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu"))
@@ -219,9 +219,9 @@ def test_an_async_save_records_every_file_and_verifies_on_load(local, tmp_path):
 def test_the_space_a_checkpoint_needs_is_checked_at_start(local, tmp_path, monkeypatch):
     """Free space is simulated (a real full disk needs privileges this test does not have): the check
     compares the model's estimate with what shutil.disk_usage reports, at construction."""
-    from trainer import ckpt_preflight
-    from trainer.checkpoint import Checkpointer
-    from trainer.ckpt_preflight import CheckpointDirError, estimate_bytes
+    from trainer.checkpoint import preflight as ckpt_preflight
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.preflight import CheckpointDirError, estimate_bytes
 
     model, sync, schedule, loader = local
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -236,8 +236,8 @@ def test_the_space_a_checkpoint_needs_is_checked_at_start(local, tmp_path, monke
 def test_a_save_that_runs_out_of_space_says_how_much_it_needed(local, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import Checkpointer
-    from trainer.ckpt_preflight import CheckpointDirError, human
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.preflight import CheckpointDirError, human
 
     model, sync, schedule, loader = local
     ckpt = Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu"), model=model, sync=sync)
@@ -253,8 +253,8 @@ def test_a_save_that_runs_out_of_space_says_how_much_it_needed(local, tmp_path, 
 
 def test_the_allowlist_reads_every_layouts_metadata_and_nothing_else(local, tmp_path):
     """The restricted unpickler loads real DCP metadata and refuses classic payloads by name."""
-    from trainer.checkpoint import Checkpointer
-    from trainer.safe_unpickle import RefusedPickle, load_metadata
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.safe_unpickle import RefusedPickle, load_metadata
 
     model, sync, schedule, loader = local
     Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu")).save(

@@ -142,7 +142,7 @@ def test_ring_block_matches_sdpa(causal, fused, monkeypatch):
         assert (got - want).abs().max() <= TOL
 
 
-# -- memory: attention activations per rank, with trainer/memtrack.py's live-tensor tracker -----------------
+# -- memory: attention activations per rank, with trainer/report/memtrack.py's live-tensor tracker -----------------
 
 MEM_SHAPE = (1, 8, 2048, 16)  # b, heads, whole sequence, head_dim
 SCORES = 2**16  # ring score chunk (elements) for this test: its buffers stay small and countable
@@ -152,7 +152,7 @@ def _attention_memory(attend, shape) -> tuple[int, int]:
     """(bytes alive after forward, peak bytes over forward + backward) of one attention call. q, k, v are
     made inside the tracker as activations are in a model (non-leaf, dropped by the caller after the
     forward), so what stays alive is what the attention keeps for its backward, plus its output."""
-    from trainer.memtrack import LiveTensorTracker
+    from trainer.report.memtrack import LiveTensorTracker
 
     gen = torch.Generator().manual_seed(1)
     bases = [torch.randn(shape, generator=gen).requires_grad_() for _ in range(3)]

@@ -1,4 +1,4 @@
-"""trainer.data: tokenizing, the sample order, the loader's errors and the validator's checks."""
+"""trainer.data.loader: tokenizing, the sample order, the loader's errors and the validator's checks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import (
+from trainer.data.loader import (
     DataError,
     SampleOrder,
     TokenStream,
@@ -16,7 +16,7 @@ from trainer.data import (
     build_valid_loader,
     check_data,
 )
-from trainer.corpus.tokenize import tokenize_corpus
+from trainer.data.corpus.tokenize import tokenize_corpus
 from trainer.manifest.schema import DataSection
 
 CORPUS = Path(__file__).resolve().parents[1] / "manifests" / "data" / "python-docs.txt"
@@ -295,7 +295,7 @@ def test_module_imports_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None; import trainer.data as d; "
+    code = ("import sys; sys.modules['torch'] = None; import trainer.data.loader as d; "
             "print(d.check_data.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.blend as blend_mod
-from trainer.blend import Blend
-from trainer.data import DataError, build_loader
+import trainer.data.blend as blend_mod
+from trainer.data.blend import Blend
+from trainer.data.loader import DataError, build_loader
 from trainer.manifest import ManifestError, load_manifest
 from trainer.manifest.schema import DataSection
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import mantra
-from trainer.corpus import CorpusError
-from trainer.corpus.dedup import Params, dedup_corpus
-from trainer.corpus.minhash import (MinHasher, candidate_probability, estimated_jaccard, lsh_params, shingles,
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.dedup import Params, dedup_corpus
+from trainer.data.corpus.minhash import (MinHasher, candidate_probability, estimated_jaccard, lsh_params, shingles,
                                     word_hashes)
 
 THRESHOLD = 0.8

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import mantra
-from trainer.corpus.inspect import histogram
-from trainer.corpus.tokenize import tokenize_corpus
+from trainer.data.corpus.inspect import histogram
+from trainer.data.corpus.tokenize import tokenize_corpus
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import mantra
-from trainer.corpus import CorpusError
-from trainer.corpus.index import index_path, read_index
-from trainer.corpus.pool import ordered_map
-from trainer.corpus.tokenize import BYTE_EOS, tokenize_corpus
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.index import index_path, read_index
+from trainer.data.corpus.pool import ordered_map
+from trainer.data.corpus.tokenize import BYTE_EOS, tokenize_corpus
 
 WORDS = "the of model token data mantra layer shard batch gradient ünïcode 数据 😀 a b c".split()
 
@@ -229,7 +229,7 @@ def test_ordered_map_reads_a_bounded_way_ahead():
 
 def test_chunks_account_for_every_byte_and_refuse_a_giant_line(tmp_path, monkeypatch):
     """The progress bar's bytes add up to the inputs' sizes; a line past MAX_LINE is refused, not buffered."""
-    from trainer.corpus import readers
+    from trainer.data.corpus import readers
 
     docs = make_docs(600, seed=5)
     paths = [write_jsonl(tmp_path / "a.jsonl", docs), write_parquet(tmp_path / "b.parquet", docs * 8)]
@@ -254,7 +254,7 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
     script = tmp_path / "victim.py"
     script.write_text(
         "import multiprocessing, os, signal\n"
-        "from trainer.corpus.pool import ordered_map\n"
+        "from trainer.data.corpus.pool import ordered_map\n"
         "if __name__ == '__main__':\n"
         "    results = ordered_map(abs, range(1000), workers=2)\n"
         "    assert [next(results) for _ in range(20)] == list(range(20))\n"

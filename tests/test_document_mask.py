@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from conftest import assert_same_training, merge, tiny_config, train_on_ranks
-from trainer.corpus.tokenize import tokenize_corpus
-from trainer.data import DataError, build_loader, check_data, document_ids
+from trainer.data.corpus.tokenize import tokenize_corpus
+from trainer.data.loader import DataError, build_loader, check_data, document_ids
 from trainer.manifest import ManifestError, load_manifest
 from trainer.manifest.schema import DataSection
 from trainer.models.llama.config import LlamaConfig

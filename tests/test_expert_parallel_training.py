@@ -458,7 +458,7 @@ def test_expert_parallel_on_4_ranks_matches_one_process_and_checkpoints_reshard(
         torch.testing.assert_close(loaded["params"][key], value, rtol=0, atol=0, msg=key)
     assert any(".experts." in k and v.abs().max() > 0 for k, v in saved["optim"].items())  # Adam moments of experts
 
-    from trainer.checkpoint import quiet_single_process_warnings
+    from trainer.checkpoint.checkpointer import quiet_single_process_warnings
     from trainer.parallel.data.sync import LocalSync
 
     quiet_single_process_warnings()  # DCP in one process, on purpose

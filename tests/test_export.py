@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_export_round_trips_through_transformers(tmp_path, nproc, parallel, tied):
     from transformers import AutoModelForCausalLM
 
-    from trainer.export import load_model
+    from trainer.checkpoint.export import load_model
 
     config = merge(tiny_config("exp", tmp_path / "exp", steps=4),
                    {"checkpoint": {"every": 4}, "parallel": parallel, "model": {"tie_embeddings": tied}})
@@ -67,7 +67,7 @@ def test_export_of_a_missing_directory_says_so(tmp_path):
 
 def test_byte_level_tokenizer_ids_are_the_bytes():
     """What `data.tokenizer: byte` trains on: ids 0..255 are the UTF-8 bytes, every one of them decodes."""
-    from trainer.export import byte_level_tokenizer
+    from trainer.checkpoint.export import byte_level_tokenizer
 
     tok = byte_level_tokenizer()
     assert tok.get_vocab_size() == 256
@@ -78,7 +78,7 @@ def test_byte_level_tokenizer_ids_are_the_bytes():
 
 def test_a_run_with_its_own_tokenizer_exports_that_file(tmp_path):
     """data.tokenizer names a tokenizer.json: the export holds a copy of it, byte for byte."""
-    from trainer.export import byte_level_tokenizer, write_tokenizer
+    from trainer.checkpoint.export import byte_level_tokenizer, write_tokenizer
     from trainer.manifest.schema import Manifest
 
     own = tmp_path / "my-tokenizer.json"

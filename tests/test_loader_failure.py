@@ -19,9 +19,9 @@ import torch
 import yaml
 
 from conftest import ROOT, tiny_config
-from trainer import data as data_module
-from trainer import prefetch as P
-from trainer.data import build_loader
+from trainer.data import loader as data_module
+from trainer.data import prefetch as P
+from trainer.data.loader import build_loader
 from trainer.manifest.schema import DataSection
 
 
@@ -149,7 +149,7 @@ FAULT = '''\
 import os
 if os.environ.get("RANK") == "1":  # torchrun's worker of rank 1 only
     import time
-    import trainer.data as data
+    import trainer.data.loader as data
     real, calls = data.TokenStream.window, {"n": 0}
     def window(self, index, seq_len):
         calls["n"] += 1
@@ -190,14 +190,14 @@ def test_a_failing_data_source_ends_the_job_within_seconds(tmp_path, workers, ho
     err = proc.stderr
     if how == "raise":
         assert "OSError: injected read error at window" in err
-        assert "trainer.data.DataReadError: reading sample " in err and "of data source '" in err
+        assert "trainer.data.loader.DataReadError: reading sample " in err and "of data source '" in err
         assert "python-docs.txt' failed" in err  # the source, by the name the manifest gives it
         if workers:  # the worker process's traceback, carried over as text
             assert "_RemoteTraceback" in err and "in _worker_read" in err
         else:  # the reader thread's traceback
-            assert "trainer/prefetch.py" in err and "in _work" in err
+            assert "trainer/data/prefetch.py" in err and "in _work" in err
     else:
-        assert "trainer.prefetch.PrefetchError: a data worker process died while reading step " in err
+        assert "trainer.data.prefetch.PrefetchError: a data worker process died while reading step " in err
         assert "python-docs.txt')" in err and "(samples " in err  # the samples and the source it was reading
     assert "resource_tracker" not in err and "leaked" not in err  # no shared memory left behind
     rows = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]

@@ -1,4 +1,4 @@
-"""trainer.metrics and trainer.sinks: peak/MFU arithmetic, memory, and every sink read back from its own files."""
+"""trainer.report.meter and trainer.report.sinks: peak/MFU arithmetic, memory, and every sink read back from its own files."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from trainer import metrics as M
-from trainer import sinks as S
+from trainer.report import meter as M
+from trainer.report import sinks as S
 from trainer.manifest.schema import LoggingSection, Sink, WandbSection
 
 ALL_SINKS = (Sink.console, Sink.jsonl, Sink.tensorboard, Sink.wandb)

@@ -43,7 +43,7 @@ for manifest in (one, dp2, pp2):
 assert main(["export", "--to", "hf", dp2.replace(".yaml", "") + "/ckpt", out]) == 0
 
 from transformers import GPT2LMHeadModel
-from trainer.export import load_model
+from trainer.checkpoint.export import load_model
 ours, _ = load_model(dp2.replace(".yaml", "") + "/ckpt")
 theirs = GPT2LMHeadModel.from_pretrained(out).eval()
 tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -156,7 +156,7 @@ def train(tmp_path, name: str, model: dict):
 def test_mantra_export_of_a_moe_run_loads_as_mixtral(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.export import load_model
+    from trainer.checkpoint.export import load_model
 
     ckpt = train(tmp_path, "moe", SHAPE | {"vocab": 256, "seq_len": 32})
     out = tmp_path / "hf"

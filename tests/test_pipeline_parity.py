@@ -212,7 +212,7 @@ def test_zero3_gathers_and_reduces_once_per_step(name, four_ranks):
 
 # -- stage_layers: balanced ----------------------------------------------------------------------------
 # A vocabulary big enough that the head (2·h·V per pass + the loss) weighs about three of these blocks, so the
-# balanced split (trainer/parallel/pipeline/balance.py) moves layers off the head's stage.
+# balanced split (trainer/parallel/pipeline/analysis/balance.py) moves layers off the head's stage.
 
 BIG_HEAD = merge(BASE, {"model": {"vocab": 1024}})
 BALANCED = {

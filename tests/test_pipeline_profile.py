@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import mantra, merge, read_jsonl, tiny_config
-from trainer.parallel.pipeline.profile import ProfileError, StageProfile, read_costs, read_times
+from trainer.parallel.pipeline.analysis.profile import ProfileError, StageProfile, read_costs, read_times
 from trainer.parallel.pipeline.actions import B, BW, F, W
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -1,4 +1,4 @@
-"""Consecutive steps on the simulator (trainer/parallel/pipeline/steps.py): the barrier mantra's runtime
+"""Consecutive steps on the simulator (trainer/parallel/pipeline/analysis/steps.py): the barrier mantra's runtime
 pays between steps today, and what the zero-bubble paper's optimizer post-validation would hide.
 
 At p=4, m=8, F=B=W the paper's point is that ZB-H2 and ZB-V only reach ~0 bubble once steps overlap:
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.parallel.pipeline import Costs, Kind, build_schedule, simulate
-from trainer.parallel.pipeline.steps import repeat, simulate_steps
+from trainer.parallel.pipeline.analysis.steps import repeat, simulate_steps
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("zb-auto", 1)]
 

@@ -9,7 +9,7 @@ import pytest
 
 from trainer.parallel.pipeline import build_schedule, render_ascii, simulate, to_svg, write_timeline
 from trainer.parallel.pipeline import Kind
-from trainer.parallel.pipeline.timeline import COLORS, tint, write_png
+from trainer.parallel.pipeline.analysis.timeline import COLORS, tint, write_png
 
 
 def result(name: str = "zb-h1", p: int = 4, m: int = 8, v: int = 1):

@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from trainer.parallel.pipeline.checks import peak_inflight, problems, validate
+from trainer.parallel.pipeline.analysis.checks import peak_inflight, problems, validate
 from trainer.parallel.pipeline.schedules import build_schedule, compute_order
 from trainer.parallel.pipeline.schedules.zb_auto import choose, zb_auto
-from trainer.parallel.pipeline.simulate import Costs, simulate_ranks
+from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout
 
 

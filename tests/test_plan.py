@@ -225,7 +225,7 @@ def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
 
     import torch
 
-    from trainer.memtrack import LiveTensorTracker
+    from trainer.report.memtrack import LiveTensorTracker
     from trainer.parallel.recompute import apply_activation_checkpointing
 
     block, cos, sin = _block(CFG)

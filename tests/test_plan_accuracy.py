@@ -3,7 +3,7 @@
 For the layouts the parity tests run (dp2, zero1/2/3 on 2 and 4 ranks, tp2, tp2+sp, dp2 x tp2,
 HSDP 2 x 2, pp2 x dp2 zero3), two pipeline schedules, and one rank under bf16 autocast and selective / full
 recompute: train a small Llama (AdamW, fp32 on CPU, 3 steps) on real ranks under
-trainer.memtrack.LiveTensorTracker (tests/plan_rank.py), take each rank's peak after the first
+trainer.report.memtrack.LiveTensorTracker (tests/plan_rank.py), take each rank's peak after the first
 optimizer step, and require `estimate(run, "cpu")` within ±10% of the largest rank's.
 The table is printed (pytest -s) and written to OUT/plan_accuracy.json.
 """

@@ -116,7 +116,7 @@ def test_tracker_segments_keep_the_peak():
     into the next segment, so the running peak is the one a single segment sees."""
     import torch
 
-    from trainer.memtrack import LiveTensorTracker
+    from trainer.report.memtrack import LiveTensorTracker
 
     def work(track, flush):
         keep = [torch.zeros(1000) for _ in range(3)]  # 12,000 bytes

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import assert_same_training, tiny_config, train_layouts
-from trainer.parallel.rollback import OptimizerSnapshot
+from trainer.parallel.pipeline.rollback import OptimizerSnapshot
 
 STEPS = 6
 EPS = 1e-6  # adamw normalises each gradient element: at eps 1e-8 one near 1e-8 moves lr either way with the dp reduction's rounding
@@ -83,7 +83,7 @@ def runs(tmp_path_factory) -> dict[str, tuple]:
     """One process, and every layout (post-validation on; pp2 zb-h2 also off), one launch per world size, with
     the sample of step 3's second microbatch poisoned (tests/harness.py HARNESS_NAN_SAMPLE)."""
     from harness import sample_key
-    from trainer.data import build_loader
+    from trainer.data.loader import build_loader
     from trainer.manifest.schema import DataSection
 
     tmp = tmp_path_factory.mktemp("pv")

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT
 from launchers.local import rank_threads, usable_cores
-from trainer.progress import LiveProgress, clock_text, wanted
+from trainer.report.progress import LiveProgress, clock_text, wanted
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -148,7 +148,7 @@ def test_ranks_share_the_cores_unless_the_user_chose():
 
 
 def test_banner_names_the_pipeline_schedule_and_sharding(tiny_manifest):
-    from trainer.banner import banner_lines
+    from trainer.report.banner import banner_lines
     from trainer.manifest import load_manifest
 
     run, _ = load_manifest(tiny_manifest("pp", extra="launcher: {nproc: 8}\n"), [

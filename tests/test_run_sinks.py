@@ -6,7 +6,7 @@ import pytest
 
 from conftest import mantra, read_jsonl
 from test_metrics import read_wandb_run
-from trainer.metrics import METRIC_KEYS
+from trainer.report.meter import METRIC_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -16,8 +16,8 @@ from conftest import ROOT, read_jsonl
 from launchers.rundir import FINGERPRINT, LOCK, RunDirError, RunLock, claim_run_dir, differences
 from trainer.manifest import load_manifest
 from trainer.manifest.schema import OnNonFinite
-from trainer.sinks import JsonlSink, TensorBoardSink, WandbSink
-from trainer.nonfinite import NonFiniteGuard, NonFiniteStop
+from trainer.report.sinks import JsonlSink, TensorBoardSink, WandbSink
+from trainer.run.nonfinite import NonFiniteGuard, NonFiniteStop
 
 # ---------------------------------------------------------------------------- non-finite steps
 

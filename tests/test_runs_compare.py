@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, TINY, read_jsonl
 from launchers.cli import main
 from launchers.rundir import RunLock
-from trainer.metrics import METRIC_KEYS
+from trainer.report.meter import METRIC_KEYS
 
 STEPS = 3
 

@@ -92,7 +92,7 @@ def assert_committed_at(run_dir: Path, step: int) -> None:
 WATCHED = """
 import sys, time
 from pathlib import Path
-from trainer.watchdog import HangWatchdog
+from trainer.run.watchdog import HangWatchdog
 
 out = Path(sys.argv[1])
 def report(step, why):

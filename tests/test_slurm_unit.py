@@ -288,7 +288,7 @@ def test_each_task_says_where_it_runs_and_which_restart(monkeypatch):
 
 
 def test_status_json_counts_slurm_restarts(tmp_path, monkeypatch):
-    from trainer.run_status import RunStatus
+    from trainer.run.status import RunStatus
 
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     RunStatus(tmp_path, is_rank0=True).write("running", 3)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mantra
 from trainer.parallel.pipeline import Costs, build_schedule, render_ascii, simulate, to_svg
-from trainer.parallel.pipeline.timeline import CHAR_PX, MAX_WIDTH, TITLE_CHAR_PX, frame
+from trainer.parallel.pipeline.analysis.timeline import CHAR_PX, MAX_WIDTH, TITLE_CHAR_PX, frame
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -45,7 +45,7 @@ def test_llama3_8b_pictures_stay_readable(tmp_path):
 
 def test_png_title_is_inside_the_picture(tmp_path):
     pytest.importorskip("matplotlib")
-    from trainer.parallel.pipeline.timeline import png_figure, write_png
+    from trainer.parallel.pipeline.analysis.timeline import png_figure, write_png
 
     short_long_title = simulate(build_schedule("interleaved-1f1b", 2, 2, 2), Costs(f=20.0, b=40.0))
     for res in (short_long_title, long_step(4, 16)):  # the title sets the width / the step does

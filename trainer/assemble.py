@@ -75,7 +75,7 @@ def build_grad_sync(parts: ModelParts, run: Resolved, mesh, device: torch.device
 def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, device: torch.device, cost=None):
     """This rank's pipeline (pp > 1): the schedule the manifest names over the stage modules the model
     kind built, its activation shape and loss. `cost`: injected seconds per action kind (bench/, tests)."""
-    from trainer.parallel.pipeline.profile import StageProfile
+    from trainer.parallel.pipeline.analysis.profile import StageProfile
     from trainer.parallel.pipeline.runtime import Pipeline
     from trainer.parallel.pipeline.schedules import build_schedule
     from trainer.parallel.tensor import loss_context

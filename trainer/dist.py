@@ -46,7 +46,7 @@ def init_distributed(info: RankInfo, device: torch.device, timeout_s: float = 30
     """Join the process group (nccl on GPU, gloo on CPU) when there is more than one rank.
 
     `timeout_s` bounds every collective of the group (and the rendezvous): the loop passes
-    train.hang_timeout_s plus a grace (trainer/watchdog.py), so a stuck peer ends the job in that
+    train.hang_timeout_s plus a grace (trainer/run/watchdog.py), so a stuck peer ends the job in that
     time rather than the backend's default (gloo: 300 s; nccl: 10 min)."""
     if info.world_size == 1 or dist.is_initialized():
         return

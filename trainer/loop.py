@@ -18,16 +18,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.assemble import build_grad_sync, build_parts, build_pipeline
-from trainer.banner import print_banner
-from trainer.checkpoint import Checkpointer
-from trainer.data import build_loader
-from trainer.evaluate import NO_VALIDATION, build_validation
+from trainer.report.banner import print_banner
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.data.loader import build_loader
+from trainer.data.evaluate import NO_VALIDATION, build_validation
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved, dump_manifest
-from trainer.memtrack import RunMemory
-from trainer.metrics import Meter
+from trainer.report.memtrack import RunMemory
+from trainer.report.meter import Meter
 from trainer.models import cross_entropy, get_model_spec
-from trainer.nonfinite import NonFiniteGuard, NonFiniteStop, finite
+from trainer.run.nonfinite import NonFiniteGuard, NonFiniteStop, finite
 from trainer.optim import build_lr_schedule
 from trainer.parallel.context.attention import uses_zigzag
 from trainer.parallel.context.split import ContextShard
@@ -36,10 +36,10 @@ from trainer.parallel.mesh import build_mesh, new_group_along
 from trainer.parallel.pipeline.post_validation import PostValidation
 from trainer.parallel.tensor import loss_context
 from trainer.precision import autocast_for, uses_bf16
-from trainer.preempt import PreemptionFlag, StopRequested, stop_for
-from trainer.run_status import RunStatus
-from trainer.sinks import build_sinks
-from trainer.watchdog import HangWatchdog
+from trainer.run.preempt import PreemptionFlag, StopRequested, stop_for
+from trainer.run.status import RunStatus
+from trainer.report.sinks import build_sinks
+from trainer.run.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
     def hung(step: int | None, why: str) -> None:  # any rank that sees the hang says so
         RunStatus(run.run_dir, True).write("hung", step, why)
 
-    with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/watchdog.py
+    with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/run/watchdog.py
         init_distributed(info, device, watchdog.collective_timeout_s)
         try:
             return _train(run, info, device, on_finish, watchdog, preempt)
@@ -159,7 +159,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=m.train.seed,
         global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
         microbatches=run.batch.microbatches, dp_rank=layout.dp_rank(info.rank), dp_size=run.dp,
-        pin_memory=device.type == "cuda",  # data.prefetch steps read ahead by a thread (trainer/prefetch.py)
+        pin_memory=device.type == "cuda",  # data.prefetch steps read ahead by a thread (trainer/data/prefetch.py)
     )
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, m.checkpoint.keep, info.rank, info.world_size, device, verify=m.checkpoint.verify,

@@ -314,7 +314,7 @@ def _about_a_file(data, field: str) -> bool:
 @rule
 def data_source(m: Manifest) -> Iterator[Finding]:
     """What the data section says, without its files (plan and dry-run read none)."""
-    from trainer.data import check_data
+    from trainer.data.loader import check_data
 
     for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
         if not _about_a_file(m.data, field):
@@ -324,7 +324,7 @@ def data_source(m: Manifest) -> Iterator[Finding]:
 @file_rule
 def data_files(m: Manifest) -> Iterator[Finding]:
     """The data files themselves: there, readable, long enough (validate and run, which reads them)."""
-    from trainer.data import check_data
+    from trainer.data.loader import check_data
 
     for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
         if _about_a_file(m.data, field):

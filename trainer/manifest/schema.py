@@ -128,7 +128,7 @@ class TokenDtype(str, enum.Enum):
 
 class MemoryTracking(str, enum.Enum):
     off = "off"
-    tensors = "tensors"  # CPU: the peak of live tensor bytes (trainer/memtrack.py), reported as peak_tensor_bytes
+    tensors = "tensors"  # CPU: the peak of live tensor bytes (trainer/report/memtrack.py), reported as peak_tensor_bytes
 
 
 class Sink(str, enum.Enum):
@@ -348,7 +348,7 @@ class DataSection(Section):
     tokenizer: str = Field("byte", description="text only: 'byte' or a local tokenizer.json")
     sources: tuple[BlendSource, ...] | None = Field(
         None, description="instead of path: several files of the same source kind blended by weight; every prefix "
-        "of the run holds each file's share within one sample (trainer/blend.py)", max_length=MAX_SOURCES,
+        "of the run holds each file's share within one sample (trainer/data/blend.py)", max_length=MAX_SOURCES,
     )
     valid: str | None = Field(None, description="a held-out file of the same source kind for val_loss (train.eval_every)")
     prefetch: NonNegativeInt = Field(

@@ -3,7 +3,7 @@
     >>> get_device("h100").peak_tflops
     989.0
 
-Peak dense BF16 TFLOP/s comes from trainer.metrics.DEVICE_PEAK_TFLOPS (the
+Peak dense BF16 TFLOP/s comes from trainer.report.meter.DEVICE_PEAK_TFLOPS (the
 table the training loop's MFU uses, so plan and run agree on the denominator).
 Link numbers are per GPU and per direction. `hbm_gib` is the capacity a
 process sees (`torch.cuda.get_device_properties().total_memory`, which is the
@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from trainer.metrics import DEVICE_PEAK_TFLOPS
+from trainer.report.meter import DEVICE_PEAK_TFLOPS
 
 GB = 1e9
 GIB = 2**30

@@ -41,7 +41,7 @@ zero3 with pp, the reduce-scatter at the end of the step.
 
 Collectives on gloo (`Setup.gloo`: planned for a CPU) allocate what NCCL does not: all-gather
 receives into its own buffer of the output's size, reduce-scatter clones its input for the length
-of the collective. Both were found with trainer/memtrack.py's breakdown by allocating op (#12).
+of the collective. Both were found with trainer/report/memtrack.py's breakdown by allocating op (#12).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import functools
 
 from trainer.parallel.pipeline import Action, Costs, SimResult, StageLayout, compute_order, simulate_ranks
 from trainer.parallel.pipeline.schedules import SCHEDULES
-from trainer.parallel.pipeline.steps import StepsResult, simulate_steps
+from trainer.parallel.pipeline.analysis.steps import StepsResult, simulate_steps
 
 
 Options = tuple[tuple[str, object], ...]  # a schedule's keyword options, hashable (zb-auto: costs, max_inflight)

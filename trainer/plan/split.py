@@ -5,7 +5,7 @@
 
 The one answer the runtime, `mantra dry-run` and `mantra plan` all read, so the three show the same
 split. `balanced` weighs each chunk with the plan's FLOP model (flops.py, over the kind's PlanModel) and
-hands the counts to the model-free algorithm in trainer/parallel/pipeline/balance.py (its docstring
+hands the counts to the model-free algorithm in trainer/parallel/pipeline/analysis/balance.py (its docstring
 explains the choice); a kind without a PlanModel runs uniform or listed splits only.
 """
 
@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from trainer.parallel.pipeline.balance import BALANCED, ChunkCosts, balance, uniform
+from trainer.parallel.pipeline.analysis.balance import BALANCED, ChunkCosts, balance, uniform
 from trainer.parallel.pipeline.split import stage_layers
 from trainer.parallel.pipeline.stages import StageLayout
 
@@ -40,7 +40,7 @@ def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: M
     """A judge for `balance`: the makespan of one step of `schedule` (the simulator, no communication)
     with each stage's F, B and W from the plan's FLOP model (trainer/plan/flops.py)."""
     from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
-    from trainer.parallel.pipeline.simulate import Costs, simulate_ranks
+    from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks
     from trainer.plan.flops import block_pass_flops, head_pass_flops
     from trainer.plan.model import plan_of
 

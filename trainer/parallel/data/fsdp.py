@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from trainer import compat
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data.sync import LocalSync
-from trainer.parallel.memory import tensor_bytes
+from trainer.parallel.data.memory import tensor_bytes
 
 
 def apply_fsdp(blocks: Iterable[torch.nn.Module], roots: Iterable[torch.nn.Module], dp_mesh, *,

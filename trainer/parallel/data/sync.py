@@ -58,7 +58,7 @@ class GradSync(Protocol):
     def step(self) -> None: ...
 
     def skip_step(self) -> None:
-        """Drop this step's gradients without updating anything (a non-finite step, trainer/nonfinite.py)."""
+        """Drop this step's gradients without updating anything (a non-finite step, trainer/run/nonfinite.py)."""
         ...
 
     def state_dict(self, model: torch.nn.Module) -> dict:

@@ -48,7 +48,7 @@ from trainer import compat
 from trainer.parallel.data import zero_state
 from trainer.parallel.data.buckets import Bucket, DPGroups, GradReducer
 from trainer.parallel.clip import clip_coef
-from trainer.parallel.memory import tensor_bytes
+from trainer.parallel.data.memory import tensor_bytes
 from trainer.parallel.names import canonical_name
 
 if TYPE_CHECKING:

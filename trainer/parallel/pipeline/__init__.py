@@ -19,12 +19,12 @@ rank's action list with batched p2p, runtime.py ties it to the loop.
 """
 
 from trainer.parallel.pipeline.actions import Action, Kind, Schedule, parse_action, to_torch_csv
-from trainer.parallel.pipeline.checks import ScheduleError, peak_inflight, problems, validate
+from trainer.parallel.pipeline.analysis.checks import ScheduleError, peak_inflight, problems, validate
 from trainer.parallel.pipeline.schedules import SCHEDULES, build_schedule, compute_order, schedule_names
-from trainer.parallel.pipeline.simulate import Costs, Deadlock, SimResult, simulate, simulate_ranks
+from trainer.parallel.pipeline.analysis.simulate import Costs, Deadlock, SimResult, simulate, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout
-from trainer.parallel.pipeline.steps import StepsResult, simulate_steps
-from trainer.parallel.pipeline.timeline import render_ascii, to_svg, write_timeline
+from trainer.parallel.pipeline.analysis.steps import StepsResult, simulate_steps
+from trainer.parallel.pipeline.analysis.timeline import render_ascii, to_svg, write_timeline
 
 __all__ = [
     "Action", "Costs", "Deadlock", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "SimResult", "StageLayout",

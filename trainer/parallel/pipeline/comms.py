@@ -33,7 +33,7 @@ from trainer.parallel.pipeline.stages import StageLayout
 
 def add_comms(compute: Sequence[Sequence[Action]], layout: StageLayout) -> list[list[Action]]:
     """Complete per-rank lists (compute plus batched sends/recvs) from compute-only ones."""
-    from trainer.parallel.pipeline.simulate import Costs, simulate_ranks
+    from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks
 
     ranks = [list(rank) for rank in compute]
     if any(not a.is_compute for rank in ranks for a in rank):

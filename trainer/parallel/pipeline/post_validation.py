@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.clip import clip_coef
-from trainer.parallel.rollback import OptimizerSnapshot
+from trainer.parallel.pipeline.rollback import OptimizerSnapshot
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from trainer.parallel.data.fsdp import FSDPSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
-from trainer.parallel.pipeline.profile import StageProfile
+from trainer.parallel.pipeline.analysis.profile import StageProfile
 from trainer.parallel.pipeline.actions import Schedule
 from trainer.parallel.pipeline.validation import prefix, replays
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from trainer.parallel.pipeline.stages import StageLayout
 
 if TYPE_CHECKING:
-    from trainer.parallel.pipeline.balance import ChunkCosts
+    from trainer.parallel.pipeline.analysis.balance import ChunkCosts
 
 
 def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | None = None, *,
@@ -28,7 +28,7 @@ def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | N
     Uniform unless `explicit` gives the count of each stage (it must sum to `layers`), or is
     "balanced": then balance.py chooses the counts for `layout` from `costs` (trainer.plan.split.costs_for).
     """
-    from trainer.parallel.pipeline.balance import BALANCED, balance, uniform
+    from trainer.parallel.pipeline.analysis.balance import BALANCED, balance, uniform
 
     if explicit == BALANCED:
         if layout is None or costs is None or layout.num_stages != num_stages:

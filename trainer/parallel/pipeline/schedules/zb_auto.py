@@ -38,9 +38,9 @@ rank and `mantra plan` generate the same schedule.
 from __future__ import annotations
 
 from trainer.parallel.pipeline.actions import B, W, Action, Kind
-from trainer.parallel.pipeline.checks import peak_inflight
+from trainer.parallel.pipeline.analysis.checks import peak_inflight
 from trainer.parallel.pipeline.schedules.base import ScheduleSpec, need_microbatches, register, require, single_chunk
-from trainer.parallel.pipeline.simulate import Costs, Deadlock, simulate_ranks
+from trainer.parallel.pipeline.analysis.simulate import Costs, Deadlock, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout
 
 POLICIES = ("fill", "late")

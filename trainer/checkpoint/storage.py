@@ -3,7 +3,7 @@
 Reading (`TrustedReader`, a FileSystemReader):
   - `.metadata` is read once into memory, its checksum compared with COMMITTED
     (verify: full), and only then unpickled, with the allowlist of
-    trainer/safe_unpickle.py (always, also with verify: off). Every file the
+    trainer/checkpoint/safe_unpickle.py (always, also with verify: off). Every file the
     metadata points to must be a plain name of a regular file in the step
     directory: a `../`, an absolute path or a symlink is refused.
   - Each rank verifies only the shard files its own load plan reads, right
@@ -34,7 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from trainer.ckpt_integrity import (
+from trainer.checkpoint.integrity import (
     ALGORITHM,
     IntegrityError,
     Marker,
@@ -46,7 +46,7 @@ from trainer.ckpt_integrity import (
     verify_file,
     write_rank_checksums,
 )
-from trainer.safe_unpickle import RefusedPickle, load_metadata
+from trainer.checkpoint.safe_unpickle import RefusedPickle, load_metadata
 
 METADATA = ".metadata"  # DCP's name for the global metadata file
 

@@ -12,7 +12,7 @@ loads it with no mantra installed. A model the architecture cannot hold (an
 moe with shared experts, say) is refused from its manifest, before the
 weights are read.
 
-The checkpoint is read as hostile, like a resume does (trainer/checkpoint.py):
+The checkpoint is read as hostile, like a resume does (trainer/checkpoint/checkpointer.py):
 the root's `latest` is followed only to a step directory inside the root, every
 file is checked against COMMITTED's checksums before it is read (verify=True),
 and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
@@ -38,12 +38,12 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint import COMMITTED, LATEST, MANIFEST, _one_line
-from trainer.ckpt_integrity import IntegrityError, read_marker, read_verified
-from trainer.ckpt_paths import OutsideCheckpoint, read_latest
-from trainer.ckpt_storage import SafeLoadPlanner, TrustedReader
+from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST, _one_line
+from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
+from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
+from trainer.checkpoint.storage import SafeLoadPlanner, TrustedReader
 from trainer.manifest.schema import Manifest
-from trainer.safe_unpickle import RefusedPickle
+from trainer.checkpoint.safe_unpickle import RefusedPickle
 
 
 class ExportError(ValueError):

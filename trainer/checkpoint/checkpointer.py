@@ -3,7 +3,7 @@
     <checkpoint dir>/
       step-00000010/       DCP shards of the model and optimizer (+ .metadata), trainer.pt, rng-rank<R>.pt
         COMMITTED          written by rank 0 only after every rank finished writing: the commit marker,
-                           with the size and checksum of every file (trainer/ckpt_integrity.py)
+                           with the size and checksum of every file (trainer/checkpoint/integrity.py)
       latest               "step-00000010", replaced atomically after the commit
 
 Model and optimizer are saved in one layout-free form — parameter FQNs of the
@@ -18,13 +18,13 @@ Every file of a checkpoint is treated as hostile:
     its checksum (verify: full) and then unpickled with an allowlist of DCP's own
     classes (always); our .pt files load with weights_only=True, after their
     checksum; each rank verifies the shards it reads right before reading them
-    (trainer/ckpt_storage.py says why that reads the disk once);
+    (trainer/checkpoint/storage.py says why that reads the disk once);
   - nothing is read outside the root: auto-resume takes step directories
-    directly inside it (trainer/ckpt_paths.py), never a symlink, and says so when
+    directly inside it (trainer/checkpoint/paths.py), never a symlink, and says so when
     `latest` points elsewhere;
   - a state holding NaN or inf is never committed;
   - a read-only, missing or too-full directory is found when the Checkpointer is
-    built (trainer/ckpt_preflight.py), and a save that runs out of space says how
+    built (trainer/checkpoint/preflight.py), and a save that runs out of space says how
     much it needed.
 
 A directory without COMMITTED (a save killed half-way) is skipped with a
@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from trainer.ckpt_integrity import (
+from trainer.checkpoint.integrity import (
     COMMITTED,
     IntegrityError,
     checksum_bytes,
@@ -65,9 +65,9 @@ from trainer.ckpt_integrity import (
     remove_rank_checksums,
     write_marker,
 )
-from trainer.ckpt_paths import LATEST, STEP_NAME, latest_problem, step_dirs, stray_step_links
-from trainer.ckpt_preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
-from trainer.ckpt_storage import METADATA, ChecksummingWriter, SafeLoadPlanner, TrustedReader
+from trainer.checkpoint.paths import LATEST, STEP_NAME, latest_problem, step_dirs, stray_step_links
+from trainer.checkpoint.preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
+from trainer.checkpoint.storage import METADATA, ChecksummingWriter, SafeLoadPlanner, TrustedReader
 from trainer.optim import settle_kernels
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainer.parallel.pipeline.actions import Action
-from trainer.parallel.pipeline.simulate import Costs
+from trainer.parallel.pipeline.analysis.simulate import Costs
 
 KINDS = ("F", "B", "W", "BW")
 MAX_FILE_BYTES = 1 << 20  # a profile is a few hundred bytes per stage; anything larger is not ours

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from types import TracebackType
 
-from trainer.progress import wanted
+from trainer.report.progress import wanted
 
 
 class Bar:

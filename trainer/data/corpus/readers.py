@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.corpus import CorpusError
+from trainer.data.corpus import CorpusError
 
 JSONL = {".jsonl", ".ndjson"}
 PARQUET = {".parquet"}

@@ -4,7 +4,7 @@ torch.distributed.checkpoint writes `.metadata` with `pickle.dump` and its
 FileSystemReader reads it back with `pickle.load`, so a `.metadata` crafted by
 anyone who can write to the checkpoint directory runs their code in every
 process that loads it (`mantra run` auto-resume, `mantra export`). Checksums
-recorded at commit (trainer/ckpt_integrity.py) catch a changed file, but they
+recorded at commit (trainer/checkpoint/integrity.py) catch a changed file, but they
 are only as trusted as the directory that holds them; this unpickler is the
 boundary that holds even with `checkpoint.verify: off` or a forged marker.
 

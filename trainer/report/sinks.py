@@ -1,4 +1,4 @@
-"""The sinks that report every logged step: console, JSONL, TensorBoard, W&B (trainer/metrics.py makes
+"""The sinks that report every logged step: console, JSONL, TensorBoard, W&B (trainer/report/meter.py makes
 the numbers). Every sink writes exactly `METRIC_KEYS` plus the model kind's keys (ModelSpec.metric_keys)
 per logged step; a None value (mfu on a CPU) is null in JSONL, "n/a" on the console, and skipped by
 TensorBoard and W&B. A list value (an MoE's per-layer load) is written to JSONL only."""
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics import INT_KEYS, METRIC_KEYS
+from trainer.report.meter import INT_KEYS, METRIC_KEYS
 
 
 def _missing(package: str) -> RuntimeError:
@@ -24,12 +24,12 @@ def _missing(package: str) -> RuntimeError:
 
 class ConsoleSink:
     """One plain line per logged step on stdout and, on a terminal, the live progress line between them
-    (trainer/progress.py: step, tokens/s, ETA; nothing of it when piped or under Slurm)."""
+    (trainer/report/progress.py: step, tokens/s, ETA; nothing of it when piped or under Slurm)."""
     name = "console"
 
     def __init__(self, total_steps: int, device_type: str | None = None, tokens_per_step: int | None = None,
                  first_step: int = 1) -> None:
-        from trainer.progress import live_progress
+        from trainer.report.progress import live_progress
 
         self.total_steps = total_steps
         if device_type is None:  # only words the "mfu n/a" note

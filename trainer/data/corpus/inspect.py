@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.corpus import CorpusError
-from trainer.corpus.index import DTYPES, Index, index_path, read_index
-from trainer.corpus.progress import Bar
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.index import DTYPES, Index, index_path, read_index
+from trainer.data.corpus.progress import Bar
 
 SCAN_TOKENS = 1 << 24  # tokens per step of the max-id scan: the memmap is never read whole
 BAR_WIDTH = 40
@@ -62,7 +62,7 @@ def _decode(ids: np.ndarray, tokenizer: str | None) -> tuple[str, str]:
             return f"ids {ids[:40].tolist()}", "ids above 255: not byte-level; pass --tokenizer"
         return bytes(ids.astype(np.uint8)).decode("utf-8", errors="replace"), "byte-level"
     if tokenizer and Path(tokenizer).is_file():
-        from trainer.corpus.tokenize import _load_hf
+        from trainer.data.corpus.tokenize import _load_hf
 
         return _load_hf(tokenizer).decode(ids.tolist(), skip_special_tokens=False), tokenizer
     why = f"tokenizer '{tokenizer}' not found" if tokenizer else "no tokenizer known"

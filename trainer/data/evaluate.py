@@ -143,7 +143,7 @@ def build_validation(run, model, pipeline, mesh, device: torch.device, autocast,
                      pin_memory: bool = False, cp=None) -> Validation:
     """The run's validation (a no-op one without data.valid). `cp`: this rank's context.split.ContextShard
     under context parallel (cp ranks of a dp rank read the same batches and each evaluates its slice)."""
-    from trainer.data import build_valid_loader
+    from trainer.data.loader import build_valid_loader
     from trainer.parallel.tensor import loss_context
 
     m = run.manifest

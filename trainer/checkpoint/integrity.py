@@ -10,14 +10,14 @@ it is written, or right before it is read, costs a fraction of the disk's own
 time. It detects corruption (flipped bits, truncation, a file swapped for
 another), not a forger: whoever can rewrite a shard can rewrite COMMITTED too.
 That is why no byte is ever unpickled without the restricted unpickler
-(trainer/safe_unpickle.py) as well. Where `xxhash` is not installed, zlib.crc32
+(trainer/checkpoint/safe_unpickle.py) as well. Where `xxhash` is not installed, zlib.crc32
 is used and named in the marker; a marker names its algorithm, so a reader
 uses the one it was written with.
 
 Each rank hashes the files it wrote (its DCP shards, rng-rank<R>.pt, and on
 rank 0 trainer.pt and manifest.yaml) while they are still in the page cache
 and leaves `.checksums-rank<R>.json` beside them; rank 0 merges those into
-COMMITTED at the commit (trainer/ckpt_storage.py writes them, checkpoint.py
+COMMITTED at the commit (trainer/checkpoint/storage.py writes them, checkpoint.py
 commits). A marker of the old form (`step N`) has no checksums: `verify: full`
 refuses such a checkpoint, `verify: off` loads it.
 """

@@ -115,7 +115,7 @@ class PreemptionFlag:
 
     def agreed(self, nonfinite: bool = False) -> tuple[type[StopRequested] | None, bool]:
         """What any rank's signal asked for (None: keep training), and whether any rank found this step's
-        loss or gradient norm non-finite (trainer/nonfinite.py): the same on every rank (collective:
+        loss or gradient norm non-finite (trainer/run/nonfinite.py): the same on every rank (collective:
         call it on all ranks).
 
         Both travel in one tiny all-reduce on the CPU over gloo (a group of its own under nccl), so

@@ -9,7 +9,7 @@ byte-identical for any --workers, and memory stays at a few chunks whatever the 
 
 EOS: the byte-level tokenizer has 256 ids and no spare one, so its EOS is 0 (the NUL byte, which text
 does not hold); a tokenizer.json's EOS is its first special token among EOS_NAMES, or --eos TOKEN.
-The ids are uint16 when the vocab fits (what trainer/data.py and `data.dtype` expect), else uint32.
+The ids are uint16 when the vocab fits (what trainer/data/loader.py and `data.dtype` expect), else uint32.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from trainer.corpus import CorpusError
-from trainer.corpus.index import DTYPES, IndexWriter, index_path, temp_path
-from trainer.corpus.pool import ordered_map
-from trainer.corpus.progress import Bar
-from trainer.corpus.readers import Chunk, documents, find_sources, iter_chunks
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.index import DTYPES, IndexWriter, index_path, temp_path
+from trainer.data.corpus.pool import ordered_map
+from trainer.data.corpus.progress import Bar
+from trainer.data.corpus.readers import Chunk, documents, find_sources, iter_chunks
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0

@@ -1,6 +1,6 @@
 """The document index beside a token file: data/train.bin -> data/train.idx.
 
-The .bin stays what trainer/data.py reads (a flat array of uint16/uint32 ids, nothing else), with one
+The .bin stays what trainer/data/loader.py reads (a flat array of uint16/uint32 ids, nothing else), with one
 EOS id between consecutive documents. The .idx says where the documents are:
 
     b"MANTRIDX"                 8 bytes
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.corpus import CorpusError
+from trainer.data.corpus import CorpusError
 
 MAGIC = b"MANTRIDX"
 VERSION = 1

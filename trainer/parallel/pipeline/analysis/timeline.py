@@ -26,7 +26,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from trainer.parallel.pipeline.actions import Kind
-from trainer.parallel.pipeline.simulate import SimResult, Span
+from trainer.parallel.pipeline.analysis.simulate import SimResult, Span
 
 COLORS = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.W: "#8172b2", Kind.BW: "#dd8452"}
 NAMES = {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "full backward (B+W in one)"}

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from trainer.corpus import CorpusError
-from trainer.corpus.index import temp_path
-from trainer.corpus.minhash import MinHasher, band_keys, estimated_jaccard, exact_hash, lsh_params, shingles
-from trainer.corpus.pool import ordered_map
-from trainer.corpus.progress import Bar
-from trainer.corpus.readers import Chunk, documents, find_sources, iter_chunks
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.index import temp_path
+from trainer.data.corpus.minhash import MinHasher, band_keys, estimated_jaccard, exact_hash, lsh_params, shingles
+from trainer.data.corpus.pool import ordered_map
+from trainer.data.corpus.progress import Bar
+from trainer.data.corpus.readers import Chunk, documents, find_sources, iter_chunks
 
 MAX_COMPARED = 32  # earlier bucket members a candidate is verified against (a huge bucket stays linear)
 

@@ -145,7 +145,7 @@ def problems(ranks: Sequence[Sequence[Action]], layout: StageLayout, microbatche
     if has_comms:
         found += _check_comms(ranks, layout, microbatches)
     if simulate and not found:
-        from trainer.parallel.pipeline.simulate import Costs, Deadlock, simulate_ranks
+        from trainer.parallel.pipeline.analysis.simulate import Costs, Deadlock, simulate_ranks
 
         try:
             simulate_ranks(ranks, layout, Costs(), "blocking" if has_comms else "async")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 class RunStatus:
     """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
-    step; `hung` by whichever rank's watchdog sees the hang (trainer/watchdog.py); `cancelled` by a Slurm
+    step; `hung` by whichever rank's watchdog sees the hang (trainer/run/watchdog.py); `cancelled` by a Slurm
     task's rank 0 when the job it saved for is being cancelled, not requeued (launchers/sbatch.py). Under a
     requeued Slurm job, `restarts` is SLURM_RESTART_COUNT (absent on a job's first run and outside Slurm).
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainer.parallel.pipeline.actions import Action, Kind
-from trainer.parallel.pipeline.simulate import P2P, Costs, SimResult, simulate_ranks
+from trainer.parallel.pipeline.analysis.simulate import P2P, Costs, SimResult, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout
 
 

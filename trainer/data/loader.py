@@ -9,13 +9,13 @@ sees the same global batch. Torch is imported only where tensors are built:
 `check_data` serves the torch-free validator.
 
 A blend (data.sources) first sends global sample g to one source and numbers it
-j within that source (trainer/blend.py: a pure function of the weights and g);
+j within that source (trainer/data/blend.py: a pure function of the weights and g);
 then j is cut and shuffled as above in that source's own windows, its epochs
 counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
 (data.valid) is read in order, unshuffled: the same global batches each time.
 The loader reads the next steps in a background thread, or with data.workers in
-worker processes that each open the data themselves (trainer/prefetch.py).
-Files of token ids are written by `mantra data tokenize` (trainer/corpus/).
+worker processes that each open the data themselves (trainer/data/prefetch.py).
+Files of token ids are written by `mantra data tokenize` (trainer/data/corpus/).
 
 data.document_mask: each microbatch also carries `documents` [micro_batch, seq_len], every input
 token's document number within its window (`document_ids`), and attention stays within a document
@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from trainer.blend import Blend
-from trainer.corpus import CorpusError
-from trainer.corpus.index import index_path, read_index
+from trainer.data.blend import Blend
+from trainer.data.corpus import CorpusError
+from trainer.data.corpus.index import index_path, read_index
 from trainer.manifest.schema import DataSection, DataSource, TokenDtype
-from trainer.prefetch import Prefetcher, ProcessPrefetcher
+from trainer.data.prefetch import Prefetcher, ProcessPrefetcher
 
 BYTE_VOCAB = 256
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -365,7 +365,7 @@ class Loader:
     """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64;
     [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`).
 
-    prefetch > 0: a background thread reads that many steps ahead (trainer/prefetch.py), into pinned
+    prefetch > 0: a background thread reads that many steps ahead (trainer/data/prefetch.py), into pinned
     memory when `pin_memory` (a GPU run). `workers` (data.workers): worker processes read the steps
     instead, max(prefetch, workers) ahead, and hand over numpy arrays that become tensors here.
     Call `close()` when done."""

@@ -1,0 +1,11 @@
+"""Data: token files, the deterministic sample order, blends, the loader and its workers, evaluation.
+
+    loader.py     token streams, the resumable sample order, the Loader (prefetch, workers)
+    blend.py      weighted blends of several token sources (`data.sources`)
+    prefetch.py   the next steps' batches read in the background (a thread, or forked workers)
+    evaluate.py   validation loss over `data.valid`
+    corpus/       the corpus tools behind `mantra data` (read, tokenize, dedup, inspect)
+
+Import the module you need; this package imports nothing (the data checks `mantra validate` runs are
+torch-free and must stay so).
+"""
