@@ -20,6 +20,7 @@ from trainer.manifest import Resolved
 from trainer.manifest.schema import OptimizerName, Precision, Schedule
 from trainer.plan import activations as act
 from trainer.plan import memory
+from trainer.plan.model_states import states
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
 from trainer.plan.model import PlanModel, plan_of
@@ -343,7 +344,7 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
            counts: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
     m, p = run.manifest, run.manifest.parallel
     stage_params = tuple(sum(local_numel(q, p.tp, s.ep) for q in s.params) for s in setups)
-    owned = max(memory.states(s)["owned"] for s in setups)
+    owned = max(states(s)["owned"] for s in setups)
     mode = setups[0].mode
     if mode in ("none", "zero1", "zero2"):
         plan = plan_buckets([local_numel(q, p.tp, setups[0].ep) for q in reversed(setups[0].params)],
