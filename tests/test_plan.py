@@ -148,7 +148,7 @@ def test_the_pipeline_simulation_uses_each_stage_s_own_cost(tmp_path):
 
 
 def test_sharding_orders_peak_memory(tmp_path):
-    """Per-rank memory must fall none > zero1 > zero2 > zero3 (DESIGN.md)."""
+    """Per-rank memory must fall none > zero1 > zero2 > zero3 (README, Parallel layouts: bytes per parameter)."""
     peaks = []
     for sharding in ("none", "zero1", "zero2", "zero3"):
         shard = 1 if sharding == "none" else 4
