@@ -232,7 +232,7 @@ def _cut(run: Resolved, device: Device) -> _Cut:
     p = run.manifest.parallel
     pm = plan_of(run.manifest.model)  # NoPlanModel (a ValueError) for a kind without one
     v_style = p.schedule == Schedule.zb_v
-    counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (balance.py)
+    counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (pipeline/analysis/balance.py)
     layers = rank_layers(pm.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
     return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), pm, expert_parallel(run))
