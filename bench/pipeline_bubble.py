@@ -82,7 +82,7 @@ def run_schedule(name: str, rank: int, pp: int, m: int, unit: float, steps: int)
         return None
     sim = simulate(schedule, Costs(unit, unit, unit))
     measured = statistics.median(makespans)
-    k = max(steps, 6)  # consecutive steps, simulated: the runtime's barrier vs post-validation's overlap (steps.py)
+    k = max(steps, 6)  # consecutive steps, simulated: the runtime's barrier vs post-validation's overlap (pipeline/analysis/steps.py)
     steady = {ov: simulate_steps(schedule.ranks, schedule.layout, m, Costs(unit, unit, unit), k, overlap=ov).steady_bubble
               for ov in (False, True)}
     return {

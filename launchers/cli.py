@@ -203,40 +203,49 @@ def _version() -> str:
         return "unknown (not installed; pip install -e .)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
-    parser.add_argument("--version", action="version", version=f"mantra {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_manifest_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """MANIFEST (or several) and --set KEY=VALUE, as every command that reads a manifest takes them."""
+    if many:
+        p.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest YAML file(s)")
+    else:
+        p.add_argument("manifest", metavar="MANIFEST", help="manifest YAML file")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a field, value read as YAML (repeatable), e.g. --set train.steps=20")
 
-    def with_manifest(p: argparse.ArgumentParser, many: bool = False) -> None:
-        if many:
-            p.add_argument("manifests", nargs="+", metavar="MANIFEST", help="manifest YAML file(s)")
-        else:
-            p.add_argument("manifest", metavar="MANIFEST", help="manifest YAML file")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                       help="override a field, value read as YAML (repeatable), e.g. --set train.steps=20")
 
-    p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
-    with_manifest(p, many=True)
+def add_nproc_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+
+
+def add_fresh_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fresh", action="store_true",
+                   help="start anew: an earlier run in the run directory is moved aside (renamed, never deleted)")
+
+
+def add_local_commands(sub: argparse._SubParsersAction) -> None:
+    """validate, run, dry-run: a manifest on this machine."""
+    p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
+    add_manifest_arguments(p, many=True)
+    add_nproc_argument(p)
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")
-    with_manifest(p)
-    p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+    add_manifest_arguments(p)
+    add_nproc_argument(p)
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="resume from this step or checkpoint directory instead of the latest committed one")
-    p.add_argument("--fresh", action="store_true",
-                   help="start anew: an earlier run in the run directory is moved aside (renamed, never deleted)")
+    add_fresh_argument(p)
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")
-    with_manifest(p)
-    p.add_argument("--nproc", type=int, metavar="N", help="local ranks (same as --set launcher.nproc=N)")
+    add_manifest_arguments(p)
+    add_nproc_argument(p)
     p.set_defaults(fn=cmd_dry_run)
 
+
+def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory per rank, FLOPs, step time and bubble before launch; --search for layouts")
-    with_manifest(p)
+    add_manifest_arguments(p)
     p.add_argument("--gpu", default="auto", choices=["auto", "h100", "h200", "a100", "b200", "cpu"],
                    help="device to plan for; auto (default): an H100 for a Slurm manifest, this machine (its GPU, "
                         "else its CPU) for a local one")
@@ -254,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate every schedule with the stage times RUN_DIR measured (logging.profile_pipeline)")
     p.set_defaults(fn=cmd_plan)
 
+
+def add_run_dir_commands(sub: argparse._SubParsersAction) -> None:
+    """runs, compare: what run directories hold."""
     p = sub.add_parser("runs", help="a table of runs: state, step, loss, tokens/s, MFU, memory, age")
     p.add_argument("dir", nargs="?", type=Path, default=Path("runs"), metavar="DIR",
                    help="a run directory or a directory of them (default: runs)")
@@ -268,15 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=["step", "tokens"], default="step", help="x axis (default step)")
     p.set_defaults(fn=cmd_compare)
 
+
+def add_submit_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit to Slurm (one task per GPU); requeued and resumed when preempted")
-    with_manifest(p, many=True)
+    add_manifest_arguments(p, many=True)
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                    help="one run per value (repeatable: every combination), submitted as one job array")
     p.add_argument("--wait", action="store_true", help="stream rank 0's log until the job ends; exit with its status")
-    p.add_argument("--fresh", action="store_true",
-                   help="start anew: an earlier run in the run directory is moved aside (renamed, never deleted)")
+    add_fresh_argument(p)
     p.set_defaults(fn=cmd_submit)
 
+
+def add_info_commands(sub: argparse._SubParsersAction) -> None:
+    """schema, models, export: no manifest, no training."""
     p = sub.add_parser("schema", help="print the manifest's JSON Schema")
     p.set_defaults(fn=cmd_schema)
 
@@ -292,8 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint from before checksums (its metadata is still read through the allowed list)")
     p.set_defaults(fn=cmd_export)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """`mantra` and its commands, in the order `mantra --help` lists them."""
     from launchers.data_cli import add_data_parser, add_tokenize_arguments
 
+    parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
+    parser.add_argument("--version", action="version", version=f"mantra {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_local_commands(sub)
+    add_plan_command(sub)
+    add_run_dir_commands(sub)
+    add_submit_command(sub)
+    add_info_commands(sub)
     add_data_parser(sub)
     add_tokenize_arguments(sub.add_parser("tokenize", help="alias of `mantra data tokenize`: text, jsonl, parquet "
                                           "-> a .bin of token ids + its document index"))

@@ -104,7 +104,7 @@ def test_the_judge_breaks_ties_and_only_ties():
 
 
 def test_the_simulator_judges_1f1b_spare_layers_early():
-    """1F1B runs faster with the spare layers of a tie on earlier ranks (balance.py's docstring)."""
+    """1F1B runs faster with the spare layers of a tie on earlier ranks (pipeline/analysis/balance.py's docstring)."""
     cfg = load_manifest(ROOT / "manifests/llama3-8b.yaml")[0].manifest.model
     layout = StageLayout(4)
     judge = simulated_step("1f1b", layout, 8, cfg, "full")

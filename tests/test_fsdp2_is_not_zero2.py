@@ -1,6 +1,6 @@
 """Why zero2 is our own and not FSDP2 with reshard_after_forward=False: measured on real ranks.
 
-DESIGN.md's zero2 keeps parameters whole between steps and frees the non-owned gradients. FSDP2
+Our zero2 (README, Parallel layouts) keeps parameters whole between steps and frees the non-owned gradients. FSDP2
 `fully_shard(..., reshard_after_forward=False)` keeps them unsharded only from forward to backward,
 then reshards after backward: at the step boundary each rank holds 1/d of the parameters (zero3's
 memory, with zero3's all-gather before the next forward), so it is not that zero2. Its gradients are

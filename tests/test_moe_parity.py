@@ -97,7 +97,7 @@ def test_four_rank_layouts_match_one_process(one, four, name):
 
 
 def test_adamw_under_tp_and_ep_trains_like_one_process(one, four):
-    """AdamW amplifies round-off in parameters (DESIGN.md): the losses and norms are compared."""
+    """AdamW amplifies round-off in parameters (update ≈ g/√v): the losses and norms are compared."""
     for a, b in zip(one["adamw"][0], four["adamw-ep2-tp2-sp"][0]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
 

@@ -57,7 +57,7 @@ def test_a_checkpoint_reshards_to_tensor_and_expert_parallel(tmp_path):
     want = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
     got = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(want[2:], got[2:]):  # AdamW: round-off of another layout, amplified a little (DESIGN.md)
+    for a, b in zip(want[2:], got[2:]):  # AdamW: round-off of another layout, amplified a little (update ≈ g/√v)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["moe_bias_norm"] == pytest.approx(a["moe_bias_norm"], rel=1e-4)
 
 

@@ -1,7 +1,7 @@
 """Tensor/sequence parallel and zero3 (FSDP2) layouts vs one process: losses, grad norms, final parameters.
 
 fp32 on CPU (gloo), SGD so parameters are comparable exactly (AdamW amplifies
-round-off in near-zero gradients; DESIGN.md), 6 steps, clipping active.
+round-off in near-zero gradients: its update is about g/√v), 6 steps, clipping active.
 
 Each world size is one launch that trains its layouts in turn (tests/harness.py --each), and one process
 trains the references; each layout is still its own test and fails on its own numbers.

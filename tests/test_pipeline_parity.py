@@ -1,7 +1,7 @@
 """Pipeline parallel vs one process: every schedule at pp 2 and 4, uneven splits at pp 3, and pp with dp
 (zero1, zero2, zero3) and tp.
 
-fp32 on CPU (gloo), SGD (exact parameters, DESIGN.md), 5 steps, clipping active, an 8-layer tiny
+fp32 on CPU (gloo), SGD (exact parameters: AdamW amplifies round-off in near-zero gradients), 5 steps, clipping active, an 8-layer tiny
 llama so pp 4 with 2 virtual stages still has a layer per chunk. Loss and grad norm per step and
 every final parameter must match one process within 1e-5 relative.
 

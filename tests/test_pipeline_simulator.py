@@ -57,7 +57,7 @@ def test_equal_costs_closed_forms(p, m):
 
 
 def test_p4_m8_numbers():
-    """The DESIGN note's example: bound 27, 1F1B 33."""
+    """F=B=W=1, p=4, m=8: ZB-H1 reaches its bound (p-1)(F+B-W) + m(F+B+W) = 27; 1F1B takes 33."""
     assert run("1f1b", 4, 8).makespan == 33
     assert run("zb-h1", 4, 8).makespan == 27
     assert run("zb-h1", 4, 8).peak_inflight == (4, 4, 4, 4)
@@ -66,7 +66,7 @@ def test_p4_m8_numbers():
 
 
 def naive_greedy(p: int, m: int) -> list[list[Action]]:
-    """'B first, then F (at most p in flight), W when idle', on a unit clock: DESIGN's 29."""
+    """'B first, then F (at most p in flight), W when idle', on a unit clock: 29 at p=4, m=8 (ZB-H1: 27)."""
     order: list[list[Action]] = [[] for _ in range(p)]
     f_end, b_end = {}, {}
     nf, nb, nw, free = [0] * p, [0] * p, [0] * p, [0] * p

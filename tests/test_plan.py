@@ -14,7 +14,7 @@ from conftest import ROOT, mantra
 from trainer.manifest import load_manifest
 from trainer.models.llama.config import LlamaConfig
 from trainer.plan import activations as act
-from trainer.plan import estimate, memory
+from trainer.plan import estimate, memory, model_states
 from trainer.models.llama.plan import llama_params, plan_model
 from trainer.plan.shapes import local_numel, plan_buckets
 
@@ -35,13 +35,13 @@ def write(tmp_path: Path, parallel: dict, nproc: int, **train) -> Path:
 
 
 def test_published_bytes_per_param():
-    assert sum(memory.bytes_per_param("none", 8)) == 16
-    assert sum(memory.bytes_per_param("zero1", 8)) == 4 + 4 + 1
-    assert sum(memory.bytes_per_param("zero2", 4)) == 4 + 12 / 4
-    assert sum(memory.bytes_per_param("zero3", 8)) == 2
-    assert memory.megatron_bytes_per_param(1, False) == 18
-    assert memory.megatron_bytes_per_param(8, True) == 6 + 12 / 8
-    assert [memory.zero_paper_bytes_per_param(s, 64) for s in range(4)] == [16, 4 + 12 / 64, 2 + 14 / 64, 16 / 64]
+    assert sum(model_states.bytes_per_param("none", 8)) == 16
+    assert sum(model_states.bytes_per_param("zero1", 8)) == 4 + 4 + 1
+    assert sum(model_states.bytes_per_param("zero2", 4)) == 4 + 12 / 4
+    assert sum(model_states.bytes_per_param("zero3", 8)) == 2
+    assert model_states.megatron_bytes_per_param(1, False) == 18
+    assert model_states.megatron_bytes_per_param(8, True) == 6 + 12 / 8
+    assert [model_states.zero_paper_bytes_per_param(s, 64) for s in range(4)] == [16, 4 + 12 / 64, 2 + 14 / 64, 16 / 64]
 
 
 @pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
@@ -50,9 +50,9 @@ def test_states_follow_the_formulas(tmp_path, sharding):
     run, _ = load_manifest(write(tmp_path, {"optimizer_sharding": sharding, "dp_shard": 1 if sharding == "none" else 4,
                                             "dp_replicate": 4 if sharding == "none" else 1}, 4))
     setup = _setup(run)
-    st = memory.states(setup)
+    st = model_states.states(setup)
     psi = sum(p.numel for p in llama_params(CFG))
-    params, grads, adam = memory.bytes_per_param(sharding, 4)
+    params, grads, adam = model_states.bytes_per_param(sharding, 4)
     assert st["params"] == pytest.approx(params * psi, rel=0.01)
     assert st["grad_step"] == pytest.approx(grads * psi, rel=0.01)
     assert st["optimizer"] == pytest.approx(adam * psi, rel=0.01)
@@ -148,7 +148,7 @@ def test_the_pipeline_simulation_uses_each_stage_s_own_cost(tmp_path):
 
 
 def test_sharding_orders_peak_memory(tmp_path):
-    """Per-rank memory must fall none > zero1 > zero2 > zero3 (DESIGN.md)."""
+    """Per-rank memory must fall none > zero1 > zero2 > zero3 (README, Parallel layouts: bytes per parameter)."""
     peaks = []
     for sharding in ("none", "zero1", "zero2", "zero3"):
         shard = 1 if sharding == "none" else 4

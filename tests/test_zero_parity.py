@@ -1,7 +1,7 @@
 """none / zero1 / zero2 (our bucketed reducer) vs one process: loss and grad norm per step, final parameters.
 
 fp32 on CPU (gloo), same global batch and seed, clipping active. SGD for exact parameters
-(AdamW amplifies round-off in near-zero gradients; DESIGN.md) and one AdamW case on losses.
+(AdamW amplifies round-off in near-zero gradients: its update is about g/√v) and one AdamW case on losses.
 The tiny model is ~35k parameters: bucket_mb 0.01 (~2.6k elements) forces a dozen buckets.
 At dp 2 the default batch gives 2 microbatches per rank, at dp 4 one.
 

@@ -1,6 +1,7 @@
 """Checkpoints: what a run saves, how it proves the bytes are its own, and how it gets them back.
 
-    checkpointer.py   the Checkpointer: save (sync or async), atomic commit, keep-N, resume
+    checkpointer.py   the Checkpointer: save (sync or async), atomic commit, keep-N, resume with fallback
+    resume.py         which checkpoint to resume from, and reading one on this rank as hostile
     storage.py        DCP storage that checks every byte it reads and checksums what it writes
     integrity.py      per-file checksums recorded in COMMITTED, verified at load
     preflight.py      is the checkpoint directory usable, found at start

@@ -21,7 +21,7 @@ Every file of a checkpoint is treated as hostile:
     (trainer/checkpoint/storage.py says why that reads the disk once);
   - nothing is read outside the root: auto-resume takes step directories
     directly inside it (trainer/checkpoint/paths.py), never a symlink, and says so when
-    `latest` points elsewhere;
+    `latest` points elsewhere (which directories and how each is read: trainer/checkpoint/resume.py);
   - a state holding NaN or inf is never committed;
   - a read-only, missing or too-full directory is found when the Checkpointer is
     built (trainer/checkpoint/preflight.py), and a save that runs out of space says how
@@ -55,19 +55,17 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from trainer.checkpoint.integrity import (
     COMMITTED,
-    IntegrityError,
     checksum_bytes,
     checksum_file,
     gather_rank_checksums,
     is_rank_checksums,
-    read_marker,
-    read_verified,
     remove_rank_checksums,
     write_marker,
 )
-from trainer.checkpoint.paths import LATEST, STEP_NAME, latest_problem, step_dirs, stray_step_links
+from trainer.checkpoint.paths import LATEST, committed_steps, step_dir, uncommitted_dirs
 from trainer.checkpoint.preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
-from trainer.checkpoint.storage import METADATA, ChecksummingWriter, SafeLoadPlanner, TrustedReader
+from trainer.checkpoint.resume import one_line, read_checkpoint, resume_candidates, set_rng_state
+from trainer.checkpoint.storage import METADATA, ChecksummingWriter
 from trainer.optim import settle_kernels
 
 log = logging.getLogger(__name__)
@@ -100,19 +98,6 @@ class NonFiniteCheckpoint(RuntimeError):
 
 class CheckpointUnusable(RuntimeError):
     """Committed checkpoints exist but none loads: stop rather than train from step 1 over them."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def committed_steps(root: Path) -> list[int]:
-    """Steps with a commit marker, newest first (real step directories directly inside `root` only)."""
-    return sorted((int(d.name[5:]) for d in step_dirs(root) if (d / COMMITTED).exists()), reverse=True)
-
-
-def uncommitted_dirs(root: Path) -> list[Path]:
-    return [d for d in step_dirs(root) if not (d / COMMITTED).exists()]
 
 
 def _barrier() -> None:
@@ -235,8 +220,8 @@ class Checkpointer:
             writer = ChecksummingWriter(target, self.rank, own)
             if asynchronous:
                 # DCP's coordinator finishes only after every rank's shards are written (and their checksum
-                # files, see ckpt_storage), so when rank 0's future is done the whole step is on disk; a
-                # separate gloo group keeps the background thread's collectives apart from training's.
+                # files, see trainer/checkpoint/storage.py), so when rank 0's future is done the whole step is
+                # on disk; a separate gloo group keeps the background thread's collectives apart from training's.
                 if self._async_group is None and dist.is_initialized():
                     self._async_group = dist.new_group(backend="gloo")
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
@@ -306,41 +291,16 @@ class Checkpointer:
 
     # -- loading -----------------------------------------------------------------------------
 
-    def candidates(self, resume_from: str | None) -> list[Path]:
-        if resume_from and not resume_from.isdigit():
-            # named by the user (like `mantra export STEP_DIR`): allowed wherever it is, but it must itself be
-            # a committed step directory; nothing in it is followed
-            path = Path(resume_from)
-            if not STEP_NAME.fullmatch(path.name) or path.is_symlink() or not (path / COMMITTED).exists():
-                raise FileNotFoundError(f"checkpoint.resume_from: {path} is not a committed checkpoint "
-                                        f"(a step-NNNNNNNN directory with {COMMITTED})")
-            return [path]
-        if self.rank == 0:
-            if problem := latest_problem(self.root):
-                log.warning("%s; resuming from the newest committed step directory inside %s instead", problem, self.root)
-            for link in stray_step_links(self.root):
-                log.warning("checkpoint %s is a symbolic link; checkpoints are never followed out of %s; skipping it",
-                            link, self.root)
-            for partial in uncommitted_dirs(self.root):
-                log.warning("checkpoint %s has no %s marker (a save that did not finish); skipping it", partial, COMMITTED)
-        steps = committed_steps(self.root)
-        if resume_from:
-            wanted = int(resume_from)
-            if wanted not in steps:
-                raise FileNotFoundError(f"checkpoint.resume_from: no committed checkpoint for step {wanted} in {self.root}")
-            steps = [s for s in steps if s <= wanted]
-        return [step_dir(self.root, s) for s in steps]
-
     def load_latest(self, resume_from: str | None, sync, model, lr_schedule, loader) -> Resumed | None:
         """Restore the newest loadable committed checkpoint; None when there is none (a fresh run)."""
-        candidates = self.candidates(resume_from)
+        candidates = resume_candidates(self.root, self.rank, resume_from)
         reasons = []
         for path in candidates:
             ok, error, loaded = True, "", None
             try:
-                loaded = self._read(path, sync, model)
+                loaded = read_checkpoint(path, self.rank, self.world_size, self.verify, sync, model)
             except (Exception, CheckpointException) as exc:  # a corrupt, refused or missing file: every rank alike
-                ok, error = False, _one_line(exc)
+                ok, error = False, one_line(exc)
             if not _all_ok(ok, self.device):
                 if self.rank == 0 or not ok:
                     log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", path, error or "on another rank")
@@ -352,7 +312,7 @@ class Checkpointer:
             lr_schedule.load_state_dict(trainer_state["lr_schedule"])
             loader.load_state_dict(trainer_state["loader"])
             if rng is not None:
-                _set_rng_state(rng)
+                set_rng_state(rng)
             return Resumed(step=int(trainer_state["step"]), path=path)
         if candidates:
             raise CheckpointUnusable(
@@ -361,21 +321,6 @@ class Checkpointer:
                 + ("" if not self.verify else ", or set checkpoint.verify: off for checkpoints written before checksums"))
         return None
 
-    def _read(self, path: Path, sync, model):
-        """Check, then read, one checkpoint on this rank: (DCP state, trainer state, rng state or None)."""
-        marker = read_marker(path) if self.verify else None
-        if marker is not None and not marker.has_checksums:
-            raise IntegrityError(f"{path / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
-                                 "them), so it cannot be verified; set checkpoint.verify: off to load it unverified")
-        reader = TrustedReader(path, marker)
-        reader.read_metadata()  # checksum, allowlisted unpickling and file names: before DCP sees any of it
-        trainer_state = torch.load(io.BytesIO(read_verified(marker, path, "trainer.pt")), weights_only=True)
-        rng_name, rng = f"rng-rank{self.rank}.pt", None
-        if trainer_state["world_size"] == self.world_size and (path / rng_name).exists():
-            rng = torch.load(io.BytesIO(read_verified(marker, path, rng_name)), weights_only=True)
-        state = sync.state_dict(model)
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-        return state, trainer_state, rng
 
 
 def _torch_bytes(obj) -> bytes:
@@ -393,20 +338,8 @@ def _write(path: Path, data: bytes) -> tuple[int, str]:
     return len(data), checksum_bytes(data)
 
 
-def _one_line(exc: BaseException) -> str:
-    """The innermost error of a (possibly multi-rank) checkpoint exception, on one line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
-
-
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -12,7 +12,7 @@ loads it with no mantra installed. A model the architecture cannot hold (an
 moe with shared experts, say) is refused from its manifest, before the
 weights are read.
 
-The checkpoint is read as hostile, like a resume does (trainer/checkpoint/checkpointer.py):
+The checkpoint is read as hostile, like a resume does (trainer/checkpoint/resume.py):
 the root's `latest` is followed only to a step directory inside the root, every
 file is checked against COMMITTED's checksums before it is read (verify=True),
 and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
@@ -38,9 +38,10 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST, _one_line
+from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST
 from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
+from trainer.checkpoint.resume import one_line
 from trainer.checkpoint.storage import SafeLoadPlanner, TrustedReader
 from trainer.manifest.schema import Manifest
 from trainer.checkpoint.safe_unpickle import RefusedPickle
@@ -103,7 +104,7 @@ def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, 
     except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
         raise ExportError(str(exc)) from None
     except CheckpointException as exc:  # raised inside DCP's read (a shard's checksum): keep its last line
-        raise ExportError(f"{step}: {_one_line(exc)}") from None
+        raise ExportError(f"{step}: {one_line(exc)}") from None
     model.load_state_dict(state["model"])
     return model, manifest
 

@@ -17,7 +17,7 @@ uses the one it was written with.
 Each rank hashes the files it wrote (its DCP shards, rng-rank<R>.pt, and on
 rank 0 trainer.pt and manifest.yaml) while they are still in the page cache
 and leaves `.checksums-rank<R>.json` beside them; rank 0 merges those into
-COMMITTED at the commit (trainer/checkpoint/storage.py writes them, checkpoint.py
+COMMITTED at the commit (trainer/checkpoint/storage.py writes them, checkpointer.py
 commits). A marker of the old form (`step N`) has no checksums: `verify: full`
 refuses such a checkpoint, `verify: off` loads it.
 """

@@ -1,7 +1,8 @@
 """Where a checkpoint may be: step directories directly inside the checkpoint root, never out of it.
 
     <root>/latest            "step-00000010": a name, read as hostile text
-    <root>/step-00000010/    a real directory (not a symlink) whose resolved parent is <root>
+    <root>/step-00000010/    a real directory (not a symlink) whose resolved parent is <root>;
+                             committed once it holds COMMITTED (trainer/checkpoint/integrity.py)
 
 `latest` is only ever followed to a `step-NNNNNNNN` directory directly inside
 the root: an absolute path, a `../`, another name or a symlink that resolves
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from trainer.checkpoint.integrity import COMMITTED
 
 LATEST = "latest"
 STEP_NAME = re.compile(r"step-\d{8,12}")  # step_dir pads to 8 digits; more past 10^8 steps
@@ -38,6 +41,20 @@ def step_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(d for d in root.iterdir() if is_step_dir(root, d))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a commit marker, newest first (real step directories directly inside `root` only)."""
+    return sorted((int(d.name[5:]) for d in step_dirs(root) if (d / COMMITTED).exists()), reverse=True)
+
+
+def uncommitted_dirs(root: Path) -> list[Path]:
+    """Step directories without a commit marker: a save that did not finish (skipped, then pruned)."""
+    return [d for d in step_dirs(root) if not (d / COMMITTED).exists()]
 
 
 def stray_step_links(root: Path) -> list[Path]:

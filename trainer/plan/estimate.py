@@ -20,6 +20,7 @@ from trainer.manifest import Resolved
 from trainer.manifest.schema import OptimizerName, Precision, Schedule
 from trainer.plan import activations as act
 from trainer.plan import memory
+from trainer.plan.model_states import states
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
 from trainer.plan.model import PlanModel, plan_of
@@ -231,7 +232,7 @@ def _cut(run: Resolved, device: Device) -> _Cut:
     p = run.manifest.parallel
     pm = plan_of(run.manifest.model)  # NoPlanModel (a ValueError) for a kind without one
     v_style = p.schedule == Schedule.zb_v
-    counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (balance.py)
+    counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (pipeline/analysis/balance.py)
     layers = rank_layers(pm.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
     return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), pm, expert_parallel(run))
@@ -343,7 +344,7 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
            counts: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
     m, p = run.manifest, run.manifest.parallel
     stage_params = tuple(sum(local_numel(q, p.tp, s.ep) for q in s.params) for s in setups)
-    owned = max(memory.states(s)["owned"] for s in setups)
+    owned = max(states(s)["owned"] for s in setups)
     mode = setups[0].mode
     if mode in ("none", "zero1", "zero2"):
         plan = plan_buckets([local_numel(q, p.tp, setups[0].ep) for q in reversed(setups[0].params)],

@@ -194,23 +194,15 @@ def _bandwidth(device, span: int) -> float:
     return device.intra_gbps if span <= device.gpus_per_node else device.inter_gbps
 
 
-def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
-    """The step time of one rank on `device` (see the module docstring)."""
-    from trainer.parallel.pipeline import Costs
-    from trainer.plan.schedule import simulate
-
+def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of one microbatch through each virtual stage: forward, backward (input gradients, or all of it
+    without a split backward) and weight gradients, at `rate` FLOP/s; selective recompute adds its rebuilt
+    element-wise bytes at HBM speed."""
     m = x.model
-    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
-    rate = device.peak_tflops * 1e12 * eff
     mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
-    from trainer.parallel.pipeline.schedules import SCHEDULES
-
     counts = x.stage_layers or (m.layers,)
-    owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
-    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
     blk, head = block_pass_flops(m, x.recompute, split), head_pass_flops(m)
     last = len(counts) - 1
-
     share = tp_share(m, x.tp)
 
     def per_stage(kind: str) -> list[float]:  # seconds of one microbatch through each virtual stage
@@ -222,6 +214,56 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
         b = [bi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for bi, n in zip(b, counts)]
         if split:
             w = [wi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for wi, n in zip(w, counts)]
+    return f, b, w
+
+
+def data_parallel_comm(x: Shape, device, compute: float, bwd_last: float) -> float:
+    """Exposed seconds of data-parallel communication per step: what the gradient reductions (and zero's
+    parameter gathers) do not hide behind the last microbatch's backward (`bwd_last`) or, zero3, the compute."""
+    grads = max(x.stage_params) * x.reduce_bytes
+    shard_bw = _bandwidth(device, x.tp * x.dp_shard)
+    rep_bw = _bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
+
+    def sharded_reduce() -> float:  # reduce-scatter over dp_shard, then the shard all-reduced over the replicas
+        return ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
+
+    unit = 2 if x.bf16 else 4  # zero3 gathers parameters in the param dtype
+    if x.sharding == "none":
+        reduce = ring_time(grads, x.dp_replicate * x.dp_shard, rep_bw, "all_reduce")
+        return max(reduce - bwd_last, 0.0) + reduce * x.bucket_share
+    if x.sharding in ("zero1", "zero2"):
+        reduce = sharded_reduce()
+        gather = ring_time(max(x.stage_params) * 4, x.dp_shard, shard_bw, "all_gather")
+        return max(reduce - bwd_last, 0.0) + reduce * x.bucket_share + gather
+    if x.sharding == "zero3" and x.pp > 1:
+        # trainer/parallel/data/fsdp.py under pp: a stage gathers once, at its first forward (one block's gather
+        # exposed, the rest prefetched), and reduce-scatters once right after its final W/BW: with one chunk
+        # per rank that is the rank's last pass, so all of it is exposed (with several chunks the earlier
+        # chunks' reductions overlap the rest; counted exposed all the same: an upper bound)
+        gather = ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
+        return gather / max(max(x.rank_layers), 1) + sharded_reduce()
+    if x.sharding == "zero3":
+        gathers = 2 * x.microbatches * ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
+        total = gathers + sharded_reduce()
+        first = gathers / (2 * x.microbatches * max(max(x.rank_layers), 1))  # one block's gather starts the step
+        return max(total - compute, 0.0) + first
+    return 0.0
+
+
+def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
+    """The step time of one rank on `device` (see the module docstring)."""
+    from trainer.parallel.pipeline import Costs
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+    from trainer.plan.schedule import simulate
+
+    m = x.model
+    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
+    rate = device.peak_tflops * 1e12 * eff
+    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
+    counts = x.stage_layers or (m.layers,)
+    owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
+    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
+    f, b, w = stage_times(x, device, rate, split)
     rank_f = [sum(t for t, r in zip(f, owner) if r == q) for q in range(x.pp)]
     rank_b = [sum(t for t, r in zip(b, owner) if r == q) for q in range(x.pp)]
     stage_s = tuple(sum(t) for t in zip(f, b, w))
@@ -242,37 +284,8 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
     per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
     tp_s = max(x.rank_layers) * x.microbatches * per_block
-    # data parallel
-    grads = max(x.stage_params) * x.reduce_bytes
-    shard_bw = _bandwidth(device, x.tp * x.dp_shard)
-    rep_bw = _bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
-    dp = x.dp_replicate * x.dp_shard
     bwd_last = rank_f[owner[-1]] + rank_b[owner[-1]]  # the loss rank's last microbatch, which the reductions overlap
-    if x.sharding == "none":
-        reduce = ring_time(grads, dp, rep_bw, "all_reduce")
-        exposed = max(reduce - bwd_last, 0.0) + reduce * x.bucket_share
-    elif x.sharding in ("zero1", "zero2"):
-        reduce = ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
-        gather = ring_time(max(x.stage_params) * 4, x.dp_shard, shard_bw, "all_gather")
-        exposed = max(reduce - bwd_last, 0.0) + reduce * x.bucket_share + gather
-    elif x.sharding == "zero3" and x.pp > 1:
-        # trainer/parallel/data/fsdp.py under pp: a stage gathers once, at its first forward (one block's gather
-        # exposed, the rest prefetched), and reduce-scatters once right after its final W/BW: with one chunk
-        # per rank that is the rank's last pass, so all of it is exposed (with several chunks the earlier
-        # chunks' reductions overlap the rest; counted exposed all the same: an upper bound)
-        unit = 2 if x.bf16 else 4
-        gather = ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
-        reduce = ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
-        exposed = gather / max(max(x.rank_layers), 1) + reduce
-    elif x.sharding == "zero3":
-        unit = 2 if x.bf16 else 4
-        gathers = 2 * x.microbatches * ring_time(max(x.stage_params) * unit, x.dp_shard, shard_bw, "all_gather")
-        reduce = ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
-        total = gathers + reduce
-        first = gathers / (2 * x.microbatches * max(max(x.rank_layers), 1))  # one block's gather starts the step
-        exposed = max(total - compute, 0.0) + first
-    else:
-        exposed = 0.0
+    exposed = data_parallel_comm(x, device, compute, bwd_last)
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     cp_s, cp_bytes = context_comm(x, device, e, rate)
     ep_s, ep_bytes = expert_comm(x, device, e)

@@ -131,7 +131,7 @@ def _world(base: Resolved, gpus: int, device: Device) -> list[str] | None:
 
 
 def _splits(layers: int, pp: int, v: int) -> list[str]:
-    """The stage splits to try: uniform where the layers divide, and balanced (balance.py) with a pipeline."""
+    """The stage splits to try: uniform where the layers divide, and balanced (trainer/parallel/pipeline/analysis/balance.py) with a pipeline."""
     out = ["null"] if layers % (pp * v) == 0 else []
     return out + (["balanced"] if pp > 1 else [])
 

@@ -41,26 +41,18 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-class SeqToHeads(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
+    """`seq_to_heads` (to_heads=True) or `heads_to_seq`, whose backward is the opposite all-to-all."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return seq_to_heads(x, group) if to_heads else heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), ctx.group), None
+        grad = grad.contiguous()
+        return (heads_to_seq(grad, ctx.group) if ctx.to_heads else seq_to_heads(grad, ctx.group)), None, None
 
 
 def ulysses_attention(q, k, v, group: dist.ProcessGroup) -> torch.Tensor:
@@ -69,9 +61,9 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup) -> torch.Tensor:
     if k.shape[1] % cp:  # too few kv heads to split: one per query head
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    q, k, v = (SeqToHeads.apply(t.contiguous(), group) for t in (q, k, v))
+    q, k, v = (AllToAll.apply(t.contiguous(), group, True) for t in (q, k, v))
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return HeadsToSeq.apply(out.contiguous(), group)
+    return AllToAll.apply(out.contiguous(), group, False)

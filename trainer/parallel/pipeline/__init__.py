@@ -8,9 +8,10 @@
     validate(schedule)         # raises ScheduleError listing every broken rule
     result = simulate(schedule, Costs(f=1, b=1, w=1))             # makespan 27, bubble 11.1%
     print(render_ascii(result)); write_timeline("plan.svg", result)
-    simulate_steps(schedule.ranks, schedule.layout, 8, Costs(1, 1, 1), steps=6, overlap=True)  # steps.py
+    simulate_steps(schedule.ranks, schedule.layout, 8, Costs(1, 1, 1), steps=6, overlap=True)  # analysis/steps.py
 
-Schedules: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v.
+Schedules: gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | zb-auto (schedules/). The offline tools
+(checks, simulator, several steps, timeline, balanced split, profile) are in analysis/.
 
 The runtime that trains with them needs torch and is imported on its own
 (`trainer.parallel.pipeline.runtime`): split.py cuts the model into stages,

@@ -17,7 +17,7 @@ of consecutive SEND/RECV actions is posted as one `batch_isend_irecv`.
 
 Why lazy waits cannot deadlock: ranks only ever block on a recv (gloo sends
 complete in the background), which is the simulator's "async" model; every
-generated schedule finishes under the stricter blocking model (checks.py),
+generated schedule finishes under the stricter blocking model (analysis/checks.py),
 so it finishes here. Tags name each transfer (direction, stage, microbatch),
 so two transfers between the same pair of ranks can never be swapped.
 

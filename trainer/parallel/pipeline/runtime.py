@@ -9,7 +9,7 @@ waits for the data-parallel reductions, and returns the mean loss over the
 microbatches, broadcast from the last stage so every pipeline rank returns it.
 
 Why our own executor rather than torch's `_PipelineScheduleRuntime` (which
-does run our lists, see DESIGN.md): torch's W (`stage_backward_weight`)
+does run our lists, in the CSV form actions.py's `to_torch_csv` writes): torch's W (`stage_backward_weight`)
 assigns `param.grad` by hand, so the post-accumulate-grad hooks of our
 bucketed reducer (zero.py) never see the weight gradients; its runtime posts
 p2p ops one at a time instead of our batches; and we time every action for

@@ -26,7 +26,7 @@ def stage_layers(layers: int, num_stages: int, explicit: Sequence[int] | str | N
     """Layer indices of each virtual stage, in model order: [[0, 1], [2, 3], ...].
 
     Uniform unless `explicit` gives the count of each stage (it must sum to `layers`), or is
-    "balanced": then balance.py chooses the counts for `layout` from `costs` (trainer.plan.split.costs_for).
+    "balanced": then analysis/balance.py chooses the counts for `layout` from `costs` (trainer.plan.split.costs_for).
     """
     from trainer.parallel.pipeline.analysis.balance import BALANCED, balance, uniform
 

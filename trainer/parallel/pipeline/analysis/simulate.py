@@ -166,6 +166,115 @@ def simulate(schedule: Schedule, costs: Costs | None = None, p2p: P2P = "async")
 Gates = Mapping[tuple[int, int], tuple[Sequence[tuple[int, int]], float]]
 
 
+class _Replay:
+    """One simulated step in progress: where each rank is in its list, its clock, and when each action
+    ended, each transfer was posted and (blocking) each recv completed. `run` advances the ranks until
+    every list is done, or raises `Deadlock`."""
+
+    def __init__(self, ranks: Sequence[Sequence[Action]], layout: StageLayout, costs: Costs, p2p: P2P, gates: Gates):
+        self.ranks, self.layout, self.p2p, self.gates = ranks, layout, p2p, gates
+        self.dur = costs.per_stage(layout)
+        self.last = layout.num_stages - 1
+        self.comm = self.dur[Kind.SEND_F]
+        self.has_comms = any(not a.is_compute for rank in ranks for a in rank)
+        self.done: dict[tuple[Kind, int, int], float] = {}  # (F | B | W, stage, mb) -> end time; BW counts as B and W
+        self.posted: dict[tuple[str, int, int, bool], float] = {}  # (dir, stage, mb, is_send) -> post time
+        self.received: dict[tuple[str, int, int], float] = {}  # blocking: transfer -> completion on the receiver
+        self.ended: dict[tuple[int, int], float] = {}  # (rank, index) of a compute action -> its end
+        self.batch_at = [dict(comm_batches(list(rank))) for rank in ranks]
+        self.pos, self.clock = [0] * len(ranks), [0.0] * len(ranks)
+        self.spans: list[list[Span]] = [[] for _ in ranks]
+
+    def arrival(self, direction: str, src: int, dst: int, mb: int) -> float | None:
+        """When stage `src`'s output (F) or input gradient (B) of `mb` is available on stage `dst`'s rank."""
+        produced = self.done.get((Kind.F if direction == "F" else Kind.B, src, mb))
+        if not self.layout.crosses_ranks(src, dst):
+            return produced
+        if self.p2p == "blocking":
+            return self.received.get((direction, src, mb), -1.0)  # -1: no recv before this compute
+        if self.has_comms:
+            sent = self.posted.get((direction, src, mb, True))
+            return None if sent is None else sent + self.comm[min(src, dst)]
+        return None if produced is None else produced + self.comm[min(src, dst)]
+
+    def ready(self, action: Action) -> float | None:
+        """When a compute action's inputs exist (None: not yet; -1: blocking, and no recv before it)."""
+        s, mb, kind = action.stage, action.microbatch, action.kind
+        if kind == Kind.F:
+            return 0.0 if s == 0 else self.arrival("F", s - 1, s, mb)
+        if kind == Kind.W:
+            return self.done.get((Kind.B, s, mb))
+        own = self.done.get((Kind.F, s, mb))
+        grad = 0.0 if s == self.last else self.arrival("B", s + 1, s, mb)
+        return None if own is None or grad is None else max(own, grad)
+
+    def gated(self, r: int, i: int, at: float) -> float | None:
+        """`at`, held back by the gate on ranks[r][i] if there is one (None: a waited-on action has not ended)."""
+        if (r, i) not in self.gates:
+            return at
+        waits, delay = self.gates[(r, i)]
+        if any(w not in self.ended for w in waits):
+            return None
+        return max([at, *(self.ended[w] + delay for w in waits)])
+
+    def step(self, r: int) -> bool:
+        """Advance rank r by one item if it can; True on progress."""
+        i = self.pos[r]
+        if i in self.batch_at[r]:
+            return self.step_batch(r, self.batch_at[r][i])
+        action = self.ranks[r][i]
+        at = self.ready(action)
+        if at is not None and at >= 0:
+            at = self.gated(r, i, at)
+        if at is None:
+            return False
+        if at < 0:
+            raise ValueError(f"rank {r}: {action} runs before the recv of its input (missing or late RECV)")
+        start = max(self.clock[r], at)
+        end = start + self.dur[action.kind][action.stage]
+        self.spans[r].append(Span(r, action, start, end))
+        for kind in (Kind.B, Kind.W) if action.kind == Kind.BW else (action.kind,):
+            self.done[(kind, action.stage, action.microbatch)] = end
+        self.clock[r], self.pos[r], self.ended[(r, i)] = end, i + 1, end
+        return True
+
+    def step_batch(self, r: int, batch: tuple[Action, ...]) -> bool:
+        """Post a run of send/recv actions; blocking: return only once every one has met its partner."""
+        keys = [(*_transfer(a), a.kind in (Kind.SEND_F, Kind.SEND_B)) for a in batch]
+        if self.p2p == "async":
+            for key in keys:
+                self.posted[key] = self.clock[r]
+            self.pos[r] += len(batch)
+            return True
+        fresh = False
+        for key in keys:
+            if key not in self.posted:
+                self.posted[key], fresh = self.clock[r], True
+        partners = [(*key[:3], not key[3]) for key in keys]
+        if not all(p in self.posted for p in partners):
+            return fresh
+        end = self.clock[r]
+        for key, partner in zip(keys, partners):
+            t = max(self.posted[key], self.posted[partner]) + self.comm[key[1] if key[0] == "F" else key[1] - 1]
+            end = max(end, t)
+            if not key[3]:
+                self.received[key[:3]] = t
+        self.clock[r], self.pos[r] = end, self.pos[r] + len(batch)
+        return True
+
+    def run(self, name: str) -> None:
+        """Advance every rank as far as it can, round after round, until all lists are done."""
+        ranks, pos = self.ranks, self.pos
+        while any(pos[r] < len(ranks[r]) for r in range(len(ranks))):
+            progress = False
+            for r in range(len(ranks)):
+                while pos[r] < len(ranks[r]) and self.step(r):
+                    progress = True
+            if not progress:
+                stuck = ", ".join(f"rank {r} at {ranks[r][pos[r]]}" for r in range(len(ranks)) if pos[r] < len(ranks[r]))
+                raise Deadlock(f"{name}: no rank can move ({self.p2p} p2p): {stuck}")
+
+
 def simulate_ranks(
     ranks: Sequence[Sequence[Action]], layout: StageLayout, costs: Costs, p2p: P2P = "async",
     *, name: str = "custom", microbatches: int | None = None, gates: Gates | None = None,
@@ -175,104 +284,11 @@ def simulate_ranks(
     `gates` holds extra waits that are not data: {(rank, index): ([(rank, index), ...], delay)} lets the
     compute action at ranks[rank][index] start only `delay` after every listed compute action ended
     (steps.py: the barrier between two steps, or post-validation's deadline)."""
-    gates = gates or {}
     if p2p not in ("async", "blocking"):
         raise ValueError(f"p2p must be 'async' or 'blocking', got {p2p!r}")
-    dur = costs.per_stage(layout)
-    last = layout.num_stages - 1
-    comm = dur[Kind.SEND_F]
-    has_comms = any(not a.is_compute for rank in ranks for a in rank)
-    done: dict[tuple[Kind, int, int], float] = {}  # (F | B | W, stage, mb) -> end time; BW counts as B and W
-    posted: dict[tuple[str, int, int, bool], float] = {}  # (dir, stage, mb, is_send) -> post time
-    received: dict[tuple[str, int, int], float] = {}  # blocking: transfer -> completion on the receiver
-    batch_at = [dict(comm_batches(list(rank))) for rank in ranks]
-    pos, clock = [0] * len(ranks), [0.0] * len(ranks)
-    spans: list[list[Span]] = [[] for _ in ranks]
-
-    def arrival(direction: str, src: int, dst: int, mb: int) -> float | None:
-        produced = done.get((Kind.F if direction == "F" else Kind.B, src, mb))
-        if not layout.crosses_ranks(src, dst):
-            return produced
-        if p2p == "blocking":
-            return received.get((direction, src, mb), -1.0)  # -1: no recv before this compute
-        if has_comms:
-            sent = posted.get((direction, src, mb, True))
-            return None if sent is None else sent + comm[min(src, dst)]
-        return None if produced is None else produced + comm[min(src, dst)]
-
-    def ready(action: Action) -> float | None:
-        s, mb, kind = action.stage, action.microbatch, action.kind
-        if kind == Kind.F:
-            return 0.0 if s == 0 else arrival("F", s - 1, s, mb)
-        if kind == Kind.W:
-            return done.get((Kind.B, s, mb))
-        own = done.get((Kind.F, s, mb))
-        grad = 0.0 if s == last else arrival("B", s + 1, s, mb)
-        return None if own is None or grad is None else max(own, grad)
-
-    ended: dict[tuple[int, int], float] = {}  # (rank, index) of a compute action -> its end
-
-    def gated(r: int, i: int, at: float) -> float | None:
-        if (r, i) not in gates:
-            return at
-        waits, delay = gates[(r, i)]
-        if any(w not in ended for w in waits):
-            return None
-        return max([at, *(ended[w] + delay for w in waits)])
-
-    def step(r: int) -> bool:
-        """Advance rank r by one item if it can; True on progress."""
-        i = pos[r]
-        if i in batch_at[r]:
-            return step_batch(r, batch_at[r][i])
-        action = ranks[r][i]
-        at = ready(action)
-        if at is not None and at >= 0:
-            at = gated(r, i, at)
-        if at is None:
-            return False
-        if at < 0:
-            raise ValueError(f"rank {r}: {action} runs before the recv of its input (missing or late RECV)")
-        start = max(clock[r], at)
-        end = start + dur[action.kind][action.stage]
-        spans[r].append(Span(r, action, start, end))
-        for kind in (Kind.B, Kind.W) if action.kind == Kind.BW else (action.kind,):
-            done[(kind, action.stage, action.microbatch)] = end
-        clock[r], pos[r], ended[(r, i)] = end, i + 1, end
-        return True
-
-    def step_batch(r: int, batch: tuple[Action, ...]) -> bool:
-        keys = [(*_transfer(a), a.kind in (Kind.SEND_F, Kind.SEND_B)) for a in batch]
-        if p2p == "async":
-            for key in keys:
-                posted[key] = clock[r]
-            pos[r] += len(batch)
-            return True
-        fresh = False
-        for key in keys:
-            if key not in posted:
-                posted[key], fresh = clock[r], True
-        partners = [(*key[:3], not key[3]) for key in keys]
-        if not all(p in posted for p in partners):
-            return fresh
-        end = clock[r]
-        for key, partner in zip(keys, partners):
-            t = max(posted[key], posted[partner]) + comm[key[1] if key[0] == "F" else key[1] - 1]
-            end = max(end, t)
-            if not key[3]:
-                received[key[:3]] = t
-        clock[r], pos[r] = end, pos[r] + len(batch)
-        return True
-
-    while any(pos[r] < len(ranks[r]) for r in range(len(ranks))):
-        progress = False
-        for r in range(len(ranks)):
-            while pos[r] < len(ranks[r]) and step(r):
-                progress = True
-        if not progress:
-            stuck = ", ".join(f"rank {r} at {ranks[r][pos[r]]}" for r in range(len(ranks)) if pos[r] < len(ranks[r]))
-            raise Deadlock(f"{name}: no rank can move ({p2p} p2p): {stuck}")
-
+    replay = _Replay(ranks, layout, costs, p2p, gates or {})
+    replay.run(name)
+    spans = replay.spans
     busy = tuple(sum(s.end - s.start for s in rank) for rank in spans)
     makespan = max((s[-1].end for s in spans if s), default=0.0)
     peaks = tuple(peak_inflight(rank) for rank in ranks)
