@@ -1,6 +1,7 @@
 """Checkpoints: what a run saves, how it proves the bytes are its own, and how it gets them back.
 
     checkpointer.py   the Checkpointer: save (sync or async), atomic commit, keep-N, resume
+    saves.py          the loop's checkpoints: the state a save holds, the cadence, the save before a stop
     storage.py        DCP storage that checks every byte it reads and checksums what it writes
     integrity.py      per-file checksums recorded in COMMITTED, verified at load
     preflight.py      is the checkpoint directory usable, found at start
