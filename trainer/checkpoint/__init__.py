@@ -8,6 +8,7 @@
     paths.py          where a checkpoint may be: step directories inside the root, never outside
     safe_unpickle.py  the restricted unpickler for DCP's `.metadata`
     export.py         a checkpoint as a Hugging Face model directory (`mantra export --to hf`)
+    saves.py          the loop's checkpoints: the state a save holds, the cadence, the save before a stop
 
 Import the module you need (`from trainer.checkpoint.checkpointer import Checkpointer`): this package
 imports nothing, so the torch-free parts (paths, preflight) stay torch-free for the launchers.
