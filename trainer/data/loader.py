@@ -40,7 +40,8 @@ import numpy as np
 from trainer.data.blend import Blend
 from trainer.data.corpus import CorpusError
 from trainer.data.corpus.index import index_path, read_index
-from trainer.manifest.schema import DataSection, DataSource, TokenDtype
+from trainer.manifest.choices import DataSource, TokenDtype
+from trainer.manifest.sections import DataSection
 from trainer.data.prefetch import Prefetcher, ProcessPrefetcher
 
 BYTE_VOCAB = 256
