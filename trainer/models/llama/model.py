@@ -107,7 +107,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # cp cores take no mask (rules.py)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # cp cores take no mask (manifest/rules/data.py)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
