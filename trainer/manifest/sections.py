@@ -1,10 +1,10 @@
 """The manifest's sections: one strict, frozen pydantic model per section, and the model section's base.
 
-A leaf (imports nothing of mantra but choices.py), torch-free: `mantra validate` runs on login nodes and in
-editors, and every model kind's config class derives from ModelSection here. Unknown keys are errors
-(extra="forbid"); closed choices are enums (choices.py); nothing here mutates a value. Every whole number
-has an upper bound (MAX_* below, `maximum` in `mantra schema`) and every float must be finite, so no
-manifest can make `validate` or `plan` run for long.
+A leaf (imports nothing of mantra but choices.py, whose enums it names for schema.py too), torch-free:
+`mantra validate` runs on login nodes and in editors, and every model kind's config class derives from
+ModelSection here. Unknown keys are errors (extra="forbid"); closed choices are enums (choices.py);
+nothing here mutates a value. Every whole number has an upper bound (MAX_* below, `maximum` in
+`mantra schema`) and every float must be finite, so no manifest can make `validate` or `plan` run for long.
 
 ManifestSections is the whole manifest with its `model` section typed by the common base; schema.Manifest
 (the class manifests are validated with) derives from it and picks the `model:` section's class by kind
