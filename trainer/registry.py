@@ -10,9 +10,8 @@ be given as a function (`builtins`) called on the first lookup, so the registry'
 module imports none of them. Third-party plugins come through `importlib.metadata`
 entry points and load lazily, on the first lookup, after the built-ins: each entry
 point loads either an object (added under the entry point's name) or a module whose
-import registered itself. A plugin that fails to load,
-has the wrong type or reuses a taken name is logged and skipped, never fatal.
-Torch-free on purpose.
+import registered itself. A plugin that fails to load, has the wrong type or
+reuses a taken name is logged and skipped, never fatal. Torch-free on purpose.
 """
 
 from __future__ import annotations
