@@ -39,6 +39,7 @@ from typing import Any
 
 RUN_FILES = ("status.json", "metrics.jsonl", "manifest.yaml", "run.lock")  # any one marks a run directory
 SLURM_RECORD = "slurm.json"  # written by `mantra submit` into each run directory: the job id
+SWEEP_RECORD = "sweep.json"  # written by `mantra submit --sweep` beside the runs it names
 KNOWN_STATES = {"running", "completed", "failed", "requeue", "interrupted", "cancelled", "hung", "stopped"}
 SLURM_ALIVE = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING"}
 SLURM_WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT"}
@@ -80,6 +81,24 @@ def find_runs(directory: Path) -> list[Path]:
         return [directory]
     return sorted((p for p in directory.iterdir() if not p.name.startswith(".") and is_run_dir(p)),
                   key=lambda p: p.name)
+
+
+class SweepRecordError(Exception):
+    """A sweep record that is not what mantra writes: one line, exit 2."""
+
+
+def sweep_runs(record_dir: Path) -> list[Path]:
+    """The run directories a sweep record names (relative ones from the record's directory)."""
+    path = record_dir / SWEEP_RECORD
+    try:
+        record = json.loads(small_text(path) or "")
+        runs = [entry["dir"] for entry in record["runs"]]
+        if not all(isinstance(r, str) for r in runs):
+            raise TypeError
+    except (ValueError, TypeError, KeyError, RecursionError):
+        raise SweepRecordError(f"{path}: not a sweep record mantra wrote (expected {{\"runs\": [{{\"dir\": ...}}]}}); "
+                               "pass the run directories themselves") from None
+    return [record_dir / r for r in runs]
 
 
 def small_text(path: Path) -> str | None:
@@ -323,11 +342,9 @@ def list_runs(dir: Path, as_json: bool = False) -> int:
     if not dir.is_dir():
         print(f"error: {dir}: not a directory; give a run directory or a directory of them", file=sys.stderr)
         return 2
-    from launchers.compare import SWEEP_RECORD, CompareError, sweep_runs
-
     try:
         run_dirs = sweep_runs(dir) if (dir / SWEEP_RECORD).is_file() else find_runs(dir)
-    except CompareError as exc:
+    except SweepRecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -18,11 +18,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from launchers.slurm import Submitted
+    from trainer.manifest import Resolved
 
 # States after which Slurm does nothing more with a job (a requeued job goes back to PENDING instead).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                       "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"})
+
+
+@dataclass
+class Submitted:
+    """A job `mantra submit` handed to Slurm, and the run it trains."""
+
+    job_id: str  # "17", or "17_0" for an array element
+    run: Resolved
+    folder: Path  # submitit's folder: the script, pickles, logs, per-task results
+    ntasks: int
+    job: Any  # the submitit Job
 
 
 def rank0_logs(sub: Submitted) -> tuple[Path, Path]:

@@ -55,11 +55,16 @@ if TYPE_CHECKING:
 def build_parts(run: Resolved, mesh, device: torch.device) -> ModelParts:
     """Build and parallelize on the meta device, then materialize this rank's shards and init them
     from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights.
-    The model, and under pp its stage modules (the model kind's parallelize returns them)."""
+    The model, and under pp its stage modules (the model kind's parallelize returns them, cut by the run's
+    stage split, computed here once: the kind imports no planner)."""
+    from trainer.parallel.pipeline.split import StageSplit
+    from trainer.plan.split import layout_for
+
     spec = get_model_spec(run.manifest.model.kind)
+    split = StageSplit(*layout_for(run)) if run.manifest.parallel.pp > 1 else None
     with torch.device("meta"):
         model = spec.build(run.manifest.model)
-        parts = spec.parallelize(model, run, mesh, device) if spec.parallelize is not None else ModelParts(model)
+        parts = spec.parallelize(model, run, mesh, device, split) if spec.parallelize is not None else ModelParts(model)
     if not isinstance(parts, ModelParts):
         raise TypeError(f"model.kind {run.manifest.model.kind}: parallelize returned {type(parts).__name__}, "
                         "not a trainer.parallel.parts.ModelParts")
@@ -109,7 +114,7 @@ def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, devic
     from trainer.parallel.pipeline.runtime import Pipeline
     from trainer.parallel.pipeline.schedules import build_schedule
     from trainer.parallel.tensor import loss_context
-    from trainer.plan.schedule import schedule_options  # zb-auto's costs: the same `mantra plan` uses
+    from trainer.plan.split import schedule_options  # zb-auto's costs: the same `mantra plan` uses
 
     m, p = run.manifest, run.manifest.parallel
     spec = get_model_spec(m.model.kind)

@@ -11,7 +11,7 @@ state holds one parameter group in 2.11 and a list from 2.12 on. So:
   runs) and what happens elsewhere: a public fallback, or `UnsupportedTorch` naming the feature
   and the versions that have it, raised where the feature is first used (never at import).
 - Features a manifest can ask for that an installed torch cannot do are refused at validate time
-  from the version alone (`missing_features`; trainer/manifest/rules.py calls it). Today every
+  from the version alone (`missing_features`; trainer/manifest/torch_support.py calls it). Today every
   entry works on every supported version (2.11 to 2.13), so only a torch older than 2.11 is
   refused there; the table is where a newer-only API would say so.
 
