@@ -1,8 +1,9 @@
 """From the manifest to the parallel pieces a rank trains with: the one place that reads both.
 
-    parts = build_parts(run, mesh, device)               # the model kind's parallelized model, initialised
+    split = stage_split(run)                             # pp > 1: the pipeline cut, computed once
+    parts = build_parts(run, mesh, device, split)        # the model kind's parallelized model, initialised
     sync = build_grad_sync(parts, run, mesh, device)      # none | zero1 | zero2 | zero3: owns the optimizer
-    pipeline = build_pipeline(parts, sync, run, mesh, device)   # pp > 1: this rank's stages and schedule
+    pipeline = build_pipeline(parts, sync, run, mesh, device, split=split)   # this rank's stages and schedule
 
 and, for the loop (trainer/loop.py), the run around them: `build_training` (those three, the mesh, the
 cp slice and the LR schedule), the loader, the checkpoints, the meter, the validation, the sinks and the
@@ -50,18 +51,16 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from trainer.parallel.pipeline.runtime import Pipeline
+    from trainer.parallel.pipeline.split import StageSplit
 
 
-def build_parts(run: Resolved, mesh, device: torch.device) -> ModelParts:
+def build_parts(run: Resolved, mesh, device: torch.device, split: StageSplit | None = None) -> ModelParts:
     """Build and parallelize on the meta device, then materialize this rank's shards and init them
     from the seed: each parameter is drawn whole and sharded, so any layout starts from the same weights.
     The model, and under pp its stage modules (the model kind's parallelize returns them, cut by the run's
-    stage split, computed here once: the kind imports no planner)."""
-    from trainer.parallel.pipeline.split import StageSplit
-    from trainer.plan.split import layout_for
-
+    stage split: `split`, or stage_split(run); the kind imports no planner)."""
     spec = get_model_spec(run.manifest.model.kind)
-    split = StageSplit(*layout_for(run)) if run.manifest.parallel.pp > 1 else None
+    split = stage_split(run) if split is None else split
     with torch.device("meta"):
         model = spec.build(run.manifest.model)
         parts = spec.parallelize(model, run, mesh, device, split) if spec.parallelize is not None else ModelParts(model)
@@ -107,9 +106,20 @@ def build_grad_sync(parts: ModelParts, run: Resolved, mesh, device: torch.device
                       stages=parts.stages, tie=parts.tie, experts=parts.experts)
 
 
-def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, device: torch.device, cost=None):
+def stage_split(run: Resolved) -> StageSplit | None:
+    """The run's pipeline cut (None without pp): uniform, listed or balanced, the answer `mantra plan` and
+    `mantra dry-run` read too (trainer/plan/split.py)."""
+    from trainer.parallel.pipeline.split import StageSplit
+    from trainer.plan.split import layout_for
+
+    return StageSplit(*layout_for(run)) if run.manifest.parallel.pp > 1 else None
+
+
+def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, device: torch.device, cost=None,
+                   split: StageSplit | None = None):
     """This rank's pipeline (pp > 1): the schedule the manifest names over the stage modules the model
-    kind built, its activation shape and loss. `cost`: injected seconds per action kind (bench/, tests)."""
+    kind built, its activation shape and loss. `cost`: injected seconds per action kind (bench/, tests);
+    `split`: the run's stage split when the caller has it (zb-auto's costs read its counts)."""
     from trainer.parallel.pipeline.analysis.profile import StageProfile
     from trainer.parallel.pipeline.runtime import Pipeline
     from trainer.parallel.pipeline.schedules import build_schedule
@@ -122,7 +132,7 @@ def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, devic
         raise ValueError(f"model.kind {m.model.kind}: its parallelize returned no pipeline stages for pp {p.pp} "
                          "(its ModelSpec.pipeline and parallelize make them)")
     schedule = build_schedule(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages,
-                              **dict(schedule_options(run)))
+                              **dict(schedule_options(run, [len(ids) for ids in split.layers] if split else None)))
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     # a cp rank's stages carry its seq_len/cp tokens (the loop slices them)
@@ -162,10 +172,11 @@ def build_training(run: Resolved, device: torch.device) -> Training:
     m, layout = run.manifest, run.layout
     mesh = build_mesh(layout.sizes, device, ep=layout.ep)  # ep: the ep and expert-dp groups, carved from dp x cp
     torch.manual_seed(m.train.seed)
-    parts = build_parts(run, mesh, device)  # the model, and under pp this rank's stage modules
+    split = stage_split(run)  # the pipeline cut, once: the kind's stages and zb-auto's costs both read it
+    parts = build_parts(run, mesh, device, split)  # the model, and under pp this rank's stage modules
     sync = build_grad_sync(parts, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
     cp = context_shard(run, mesh)  # None, or this cp rank's slice of every sequence
-    pipeline = build_pipeline(parts, sync, run, mesh, device) if m.parallel.pp > 1 else None  # this rank's stages
+    pipeline = build_pipeline(parts, sync, run, mesh, device, split=split) if split else None  # this rank's stages
     lr_schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
     return Training(mesh, parts, sync, lr_schedule, cp, pipeline, autocast_for(run, device))
 

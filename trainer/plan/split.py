@@ -106,9 +106,10 @@ def layout_for(run: Resolved) -> tuple[StageLayout, list[list[int]]]:
     return layout, stage_layers(run.manifest.model.layers, layout.num_stages, stage_counts(run))
 
 
-def schedule_options(run: Resolved) -> Options:
+def schedule_options(run: Resolved, counts: Sequence[int] | None = None) -> Options:
     """What the run's schedule takes beyond its shape; the runtime and plan pass the same, so both hold the
-    same lists. zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
+    same lists. `counts`: the layers of each virtual stage when the caller has the split already (the runtime
+    computes it once, trainer/assemble.py), else stage_counts(run). zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
     the last; no communication: device-free, so every machine generates the same schedule) and
     parallel.max_inflight (default pp); parallel.schedule_costs instead of the FLOP model where given."""
     from trainer.parallel.pipeline import Costs
@@ -123,7 +124,7 @@ def schedule_options(run: Resolved) -> Options:
     if p.schedule_costs is not None:  # measured (`mantra plan --profile RUN_DIR`)
         c = p.schedule_costs
         return (("costs", Costs(tuple(c.f), tuple(c.b), tuple(c.w), c.comm)), limit)
-    counts = stage_counts(run)
+    counts = stage_counts(run) if counts is None else counts
     pm = plan_of(run.manifest.model)
     blk = block_pass_flops(pm, run.manifest.train.activation_checkpointing.value, True)
     head, last = head_pass_flops(pm), len(counts) - 1

@@ -13,7 +13,7 @@ from trainer.manifest.schema import Manifest, Schedule, Sharding
 def layers_split_over_stages(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     chunks = p.pp * p.virtual_stages
-    if p.stage_layers == "balanced":  # any count splits, given a layer per stage (parallel/pipeline/balance.py)
+    if p.stage_layers == "balanced":  # any count splits, given a layer per stage (parallel/pipeline/analysis/balance.py)
         if m.model.layers < chunks:
             yield Finding(
                 "parallel.stage_layers",
