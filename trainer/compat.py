@@ -165,6 +165,17 @@ def sdpa_ops() -> set:
     return ops
 
 
+def grouped_mm_ops() -> set:
+    """aten's grouped matmul (the MoE experts' matmuls), if this torch has it: a matmul to selective recompute."""
+    import torch
+
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    if packet is None:
+        return set()
+    RESOLVED.append("torch.ops.aten._grouped_mm")
+    return {packet.default}
+
+
 @functools.cache
 def cpu_flash_attention() -> tuple[Any, Any] | None:
     """torch's CPU flash-attention (forward, backward) ops, or None if this torch lacks either. Forward

@@ -33,6 +33,7 @@ from trainer.manifest.choices import (
     Recompute,
     ReduceDtype,
     Schedule,
+    SelectivePolicy,
     Sharding,
     Sink,
     TokenDtype,
@@ -58,6 +59,7 @@ MAX_SEQ_LEN = 2**24
 MAX_DEGREE = 2**17  # dp_replicate, dp_shard, cp, tp
 MAX_PP = 128  # `plan` simulates and prints every pipeline rank (Megatron's 1T run used 64)
 MAX_VIRTUAL_STAGES = 64
+MAX_LOSS_CHUNKS = MAX_SEQ_LEN  # train.loss_chunks: at most one chunk per token
 MAX_BATCH = 2**24  # samples: global_batch, micro_batch, microbatches
 MAX_STEPS = 10**9  # steps, and every count of steps (warmup, every, max_skipped)
 MAX_SEED = 2**63 - 1  # what torch.manual_seed takes as a signed 64-bit integer
@@ -219,6 +221,19 @@ class TrainSection(Section):
     steps: PositiveInt = Field(description="optimizer steps", le=MAX_STEPS)
     precision: Precision = Field(Precision.auto, description="auto: bf16 on GPU, fp32 on CPU")
     activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
+    selective_policy: SelectivePolicy = Field(
+        SelectivePolicy.all_matmuls,
+        description="with activation_checkpointing: selective, which outputs a block keeps for its backward: "
+        "all-matmuls (every matmul's and attention's) or alternate-matmuls (attention's and every other matmul's, "
+        "the rest recomputed: less memory, one more matmul in three recomputed)",
+    )
+    loss_chunks: PositiveInt | Literal["auto"] = Field(
+        1,
+        description="compute the output head's matmul and the loss in this many chunks of the sequence, each "
+        "recomputed in the backward, so the fp32 logits of the whole microbatch and their gradient never exist "
+        "at once; auto: vocab / 2048 chunks (at least 16 tokens each), 1 for a small vocabulary; 1 (default): "
+        "the whole sequence at once",
+    )
     compile: bool = Field(False, description="torch.compile each block")
     seed: NonNegativeInt = Field(0, description="seeds init and data order", le=MAX_SEED)
     on_nonfinite: OnNonFinite = Field(
@@ -241,6 +256,17 @@ class TrainSection(Section):
     eval_batches: PositiveInt = Field(
         4, description="global batches of data.valid each validation reads (the same ones every time)", le=MAX_STEPS
     )
+
+
+    @field_validator("loss_chunks", mode="wrap")
+    @classmethod
+    def _loss_chunks(cls, value: object, handler):
+        """One message per mistake (a union would report each of its branches)."""
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LOSS_CHUNKS:
+            raise ValueError(f"{value!r} is not allowed; use auto or a whole number of chunks from 1 to {MAX_LOSS_CHUNKS}")
+        return handler(value)
 
 
 class OptimizerSection(Section):

@@ -45,7 +45,8 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         from trainer.models.llama.pipeline import split_model
 
         split_model(model, split, mesh["pp"].get_local_rank())
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run),
+                                   train.selective_policy.value)
     if train.compile:
         apply_compile(model.layers)
     parts = ModelParts(model)

@@ -58,7 +58,8 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
         split_model(model, split, mesh["pp"].get_local_rank())
     if train.compile:
         apply_compile(compilable_parts(model))
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run),
+                                   train.selective_policy.value)
     parts = ModelParts(model)
     if p.pp > 1:
         from trainer.models.llama.pipeline import build_stages
