@@ -23,6 +23,7 @@ from trainer.plan import memory
 from trainer.plan.model_states import states
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
+from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
 from trainer.plan.model import PlanModel
 from trainer.plan.shapes import local_numel, plan_buckets, rank_layers, stage_ranks
@@ -173,12 +174,15 @@ def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
                 held += 1
                 head += a.stage == last
                 continue
-            if a.kind in (Kind.B, Kind.BW):
+            whole = a.kind == Kind.BW or (a.kind == Kind.W and a.stage == 0)  # stage 0: B does nothing, W all of it
+            if a.kind == Kind.B and a.stage == 0:  # (its input is token ids: parallel/pipeline/backward.py)
+                continue
+            if a.kind == Kind.B or whole:
                 seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last, split=a.kind == Kind.B))
             if a.kind == Kind.B:
                 pending += 1
                 continue
-            pending -= a.kind == Kind.W
+            pending -= a.kind == Kind.W and a.stage != 0
             held, warm = held - 1, True
             head -= a.stage == last
         out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss, m.split))))
@@ -261,7 +265,8 @@ def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, me
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
         grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep)
+        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep,
+        loss_chunks=loss_chunks(run), selective_policy=train.selective_policy.value)
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
@@ -306,13 +311,14 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     ranks = tuple(stage_ranks(p.pp, p.virtual_stages, v_style)) if p.pp > 1 else (0,)
     timing = predict(_shape(run, pm, setups, layers, bf16, counts, ranks), device, efficiency)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
-    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp, train.selective_policy.value) for mode in ("none", "selective", "full")}
     counted = model_counts(run, pm, layers, bf16)
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "cp": p.cp, "ep": p.ep, "tp": p.tp,
               "sequence_parallel": sp,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
               "post_validation": p.post_validated,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
+              "selective_policy": train.selective_policy.value, "loss_chunks": setups[0].loss_chunks,
               "global_batch": run.batch.global_batch, "micro_batch": run.batch.micro_batch,
               "microbatches": run.batch.microbatches}
     how = "uniform" if p.stage_layers is None else ("balanced" if p.stage_layers == "balanced" else "listed")
@@ -354,12 +360,13 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
     else:
         share = 1 / max(pm.layers, 1)
     sp = p.sequence_parallel and p.tp > 1
-    remat = act.working_set(setups[0].model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
+    remat = act.working_set(setups[0].model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp,
+                            m.train.selective_policy.value)  # a cp rank's
     return Shape(pm, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
                  share, pm.flops_per_token, run.tokens_per_step, remat, tuple(counts), ranks,
-                 schedule_options(run), p.cp, p.cp_kind.value, p.ep)
+                 schedule_options(run), p.cp, p.cp_kind.value, p.ep, m.train.selective_policy.value, setups[0].loss_chunks)
 
 
 def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:

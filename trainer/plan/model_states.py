@@ -91,6 +91,8 @@ class Setup:
     post_validated: bool = False  # parallel.post_validation: a snapshot and the kept gradients into the next step
     validation_held: float = 0.0  # microbatches of activations (rank-block units) held at the validation point
     ep: int = 1  # expert parallel: a routed expert's weights (Param.ep_dim) are cut in ep (1 until parallel.ep exists)
+    loss_chunks: int = 1  # train.loss_chunks as the kind runs it: the head and the loss chunk by chunk
+    selective_policy: str = "all-matmuls"  # train.selective_policy: which matmul outputs selective recompute keeps
 
     @property
     def mode(self) -> str:
