@@ -249,18 +249,22 @@ def logits_bytes(m: PlanModel, micro_batch: int, tp: int, holds_logits: bool = T
     head_bwd  while the output matmul runs backward: the logits' gradient (+ held logits)   x (2x)
     after     what is left for the rest of the backward                                     0 (x)
     grad      split backward: the logits' gradient, kept from B until the head's W           x
+    b_loss    split backward: the log_softmax output, which B's retained graph keeps       x
+              until B returns (measured on a last stage: trainer/parallel/pipeline/backward.py)
 
     With `chunks` > 1 (train.loss_chunks, trainer/parallel/chunked_loss.py) x_c = 4·b·ceil(s/chunks)·V/t:
     a microbatch in flight keeps no logits (its checkpoints keep slices of the head's input), the loss backward
     holds one chunk's 3x_c (4x_c vocab-parallel), and a split backward still keeps every chunk's logits'
-    gradient from B to W (the head's matmul is where its weight's branch joins: x).
+    gradient from B to W (the head's matmul is where its weight's branch joins: x), but no log_softmax.
     """
     x = 4 * micro_batch * m.seq_len * m.vocab / tp
     if chunks > 1:
         xc = 4 * micro_batch * -(-m.seq_len // chunks) * m.vocab / tp
-        return {"other": 0.0, "loss": 3 * xc + (xc if tp > 1 else 0.0), "head_bwd": 0.0, "after": 0.0, "grad": x}
+        return {"other": 0.0, "loss": 3 * xc + (xc if tp > 1 else 0.0), "head_bwd": 0.0, "after": 0.0, "grad": x,
+                "b_loss": 0.0}
     keep = x if holds_logits else 0.0
-    return {"other": x + keep, "loss": 3 * x + keep + (x if tp > 1 else 0.0), "head_bwd": x + keep, "after": keep, "grad": x}
+    return {"other": x + keep, "loss": 3 * x + keep + (x if tp > 1 else 0.0), "head_bwd": x + keep, "after": keep, "grad": x,
+            "b_loss": x}
 
 
 def weight_grad_inputs(m: PlanModel, micro_batch: int, p: Precision, tp: int = 1, sp: bool = False) -> float:

@@ -36,12 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.plan import activations as act
-from trainer.plan.model_states import Moment, Setup, local_elements, states
+from trainer.plan.model_states import Moment, Setup, local_elements, moments_of, states
 from trainer.plan.shapes import fsdp_numel, local_numel
 
 MAX_IN_FLIGHT = 2  # trainer.parallel.data.buckets.MAX_IN_FLIGHT: reduce-scatters holding temporaries
 
-__all__ = ["MAX_IN_FLIGHT", "Moment", "Point", "Setup", "moments_without_pipeline", "peak", "points"]
+__all__ = ["MAX_IN_FLIGHT", "Moment", "Point", "Setup", "moments_of", "moments_without_pipeline", "peak", "points"]
 
 
 def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
@@ -103,6 +103,7 @@ def _sizes(s: Setup) -> dict[str, float]:
         "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard, s.ep)[1] for q in per_block) if zero3 else 0.0,
         "u_root": unit * sum(local_numel(q, s.tp, s.ep) for q in s.params if q.layer is None) if zero3 else 0.0,
         "g_blk": g * sum(local_numel(q, s.tp, s.ep) for q in per_block),
+        "g_one": g * max((local_numel(q, s.tp, s.ep) for q in per_block), default=0),
         "cp_bwd": _context_buffers(s),
     }
 
@@ -138,10 +139,13 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     head = head_per * m.head
     lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits, s.loss_chunks)
     n_others = max(m.head - 1, 0) if m.at_loss else m.head  # other microbatches the last stage holds
-    # their saved log-softmax, and the logits' gradient of each microbatch whose weight-gradient pass waits
-    others = lg["other"] * n_others + lg["grad"] * m.pending_w if s.last else 0.0
+    # their saved log-softmax, or once their B ran (its loss backward freed it), the logits' gradient their W waits
+    # for (every pending W of a last stage's rank is the last stage's: a first stage's B does nothing)
+    waiting = min(m.pending_w * s.chunks, n_others) if s.last else 0.0
+    others = lg["other"] * (n_others - waiting) + lg["grad"] * waiting if s.last else 0.0
     autocast = z["casts"] * max(1.0, m.held + m.pending_w)
     other = st["rope"] + st["tokens"] + st["doc_mask"]  # (document_mask runs without pp: one microbatch held)
+    other += m.sent * 4 * sbh / (s.tp if s.sp else 1) if s.gloo else 0.0  # fp32 sends kept to the step's end
     g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
     if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)
@@ -151,7 +155,7 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
     out = []
     if s.last and m.at_loss and s.loss_chunks > 1:
-        out += _chunked_loss_points(s, z, base, g_before, acts + head, others, lg, other + autocast)
+        out += _chunked_loss_points(s, z, base, g_before, acts + head, others, lg, other + autocast, m.split)
     elif s.last and m.at_loss:
         out.append(Point("loss backward", grads=g_before, activations=acts + head, logits=others + lg["loss"],
                          buffers=other + autocast, **base))
@@ -165,7 +169,9 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
         tmp = 4 * sbh + 2 * e * pm.seq_len * s.micro_batch * pm.mlp_width / s.tp  # gradients flowing through the block
         # this block's new gradients; the head's stay too where nothing takes them away before the step (a first
         # microbatch's .grad, zero3's root unit, reduced only after the embedding at the end of the backward)
-        new = g_blk + (head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0)
+        # (one rank's plain .grads, once they exist, take each new gradient in place: one parameter's at a time)
+        new = z["g_one"] if m.warm and s.mode == "local" else g_blk
+        new += head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0
         extra = {"zero2": st.get("bucket", 0.0), "zero3": u_root + u_blk + ag_blk}.get(s.mode, 0.0)
         left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
         # context parallel's attention buffers come once the MLP's backward (and its gradients, tmp) is done:
@@ -180,7 +186,8 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
             norm_bwd = 4 * 4 * sbh / (s.tp if s.sp else 1)
             rerun = z["ws"] if s.recompute == "full" else 0.0  # W's recompute of a block under full recompute
             out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + rerun + head_per * n_others + head,
-                             logits=others + (lg["grad"] if s.last and m.at_loss else 0.0), buffers=other + autocast + norm_bwd,
+                             logits=others + (lg["grad"] + lg["b_loss"] if s.last and m.at_loss else 0.0),
+                             buffers=other + autocast + norm_bwd,
                              **base))
         if s.mode == "zero3" and not s.whole_step:
             out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + tmp)
@@ -188,17 +195,23 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
 
 
 def _chunked_loss_points(s: Setup, z: dict[str, float], base: dict, g_before: float, acts: float, others: float,
-                         lg: dict[str, float], other: float) -> list[Point]:
+                         lg: dict[str, float], other: float, split: bool) -> list[Point]:
     """The loss backward of a chunked loss (trainer/parallel/chunked_loss.py), one chunk at a time: its logits
     recomputed and their log-softmax and gradients (lg["loss"], one chunk's), with the head's weight gradient
     summed so far over the earlier chunks; and the sum itself as the second chunk's arrives (autograd adds the
     first chunk's transposed gradient out of place: three of them at once, the later ones in place). The head's
     input gradient gathers chunk by chunk (up to 4·sbh), and under autocast the chunk's bf16 copy of the head's
-    weight; zero3 keeps its root unit and the first block gathered for the backward."""
+    weight; zero3 keeps its root unit and the first block gathered for the backward. A split backward's B keeps
+    each chunk's logits' gradient for W instead (up to lg["grad"]), and its W sums the weight's gradients."""
     pm = s.model
     wgrad = (s.grad_bytes if s.whole_step else 4) * pm.vocab * pm.dim / s.tp  # the head's (or the tied) weight
     dh = 4 * pm.seq_len * s.micro_batch * pm.dim
     held = other + dh + z["head_cast"] + (z["u_root"] + z["ag_blk"] if s.mode == "zero3" else 0.0)
+    if split:
+        return [Point("loss backward", grads=g_before, activations=acts, logits=others + lg["loss"] + lg["grad"],
+                      buffers=held, **base),
+                Point("weight-gradient pass", grads=g_before + 3 * wgrad, activations=acts, logits=others + lg["grad"],
+                      buffers=held, **base)]
     return [Point("loss backward", grads=g_before + wgrad, activations=acts, logits=others + lg["loss"], buffers=held, **base),
             Point("head backward", grads=g_before + 3 * wgrad, activations=acts, logits=others, buffers=held, **base)]
 

@@ -62,7 +62,7 @@ def model_capabilities(m: Manifest) -> Iterator[Finding]:
         yield Finding("train.activation_checkpointing", f"{lacks} {mode} activation checkpointing; use "
                       f"{' or '.join(can.activation_checkpointing)}, or a kind that does")
     policy = train.selective_policy.value
-    if mode == "selective" and policy not in can.selective_policies:
+    if mode == "selective" and mode in can.activation_checkpointing and policy not in can.selective_policies:
         yield Finding("train.selective_policy", f"{lacks} the {policy} selective policy; use "
                       f"{' or '.join(can.selective_policies)}, or a kind that does")
     yield from _loss_chunks(m, spec)
