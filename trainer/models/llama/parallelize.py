@@ -61,7 +61,19 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         roots = list(parts.stages.values()) if parts.stages is not None else [model]
         apply_fsdp(model.layers.values(), roots, mesh.fsdp_mesh(), param_dtype=compute_dtype(run, device),
                    reduce_dtype=reduce_dtype(run), reshard_after_forward=parts.stages is None)
+        keep_roots_gathered_for_the_head(roots, run)
     return parts
+
+
+def keep_roots_gathered_for_the_head(roots: list, run: Resolved) -> None:
+    """train.loss_chunks > 1: the head runs chunk by chunk after the root's forward has returned (the trainer's
+    chunked loss, ModelSpec.head), so the FSDP root (embedding, final norm, head) keeps its parameters gathered
+    from its forward to its backward instead of resharding in between (the backward gathers them anyway)."""
+    from trainer.models import loss_chunks
+
+    if loss_chunks(run) > 1:
+        for root in roots:
+            root.set_reshard_after_forward(False, recurse=False)
 
 
 def backward_passes(run: Resolved) -> int:
