@@ -204,7 +204,9 @@ def _chunked_loss_points(s: Setup, z: dict[str, float], base: dict, g_before: fl
     weight; zero3 keeps its root unit and the first block gathered for the backward. A split backward's B keeps
     each chunk's logits' gradient for W instead (up to lg["grad"]), and its W sums the weight's gradients."""
     pm = s.model
-    wgrad = (s.grad_bytes if s.whole_step else 4) * pm.vocab * pm.dim / s.tp  # the head's (or the tied) weight
+    # the head's (or the tied) weight's gradient as autograd sums it: in the dtype the matmul saw the weight in,
+    # bf16 where zero3 gathers bf16 parameters (autocast's bf16 copy hands fp32 gradients back to its fp32 weight)
+    wgrad = (2 if s.precision.fsdp_bf16 else 4) * pm.vocab * pm.dim / s.tp
     dh = 4 * pm.seq_len * s.micro_batch * pm.dim
     held = other + dh + z["head_cast"] + (z["u_root"] + z["ag_blk"] if s.mode == "zero3" else 0.0)
     if split:
