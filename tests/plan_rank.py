@@ -83,7 +83,7 @@ def measure(manifests: dict[str, tuple[int, Path]], out: Path, timeout: float = 
 
 def compare(manifests: dict[str, tuple[int, Path]], measured: dict[str, list[dict]]) -> list[dict]:
     """One row per run: the plan's peak for `cpu` vs the largest rank's steady peak, and where each is; and in
-    "ranks", every rank's own: the plan's row for its pipeline stage against its steady peak (measured over
+    "per_rank", every rank's own: the plan's row for its pipeline stage against its steady peak (measured over
     predicted), so a rank the plan misses is seen even when another rank is the largest."""
     from trainer.manifest import load_manifest
     from trainer.plan import estimate
@@ -99,7 +99,7 @@ def compare(manifests: dict[str, tuple[int, Path]], measured: dict[str, list[dic
                      "rank_spread": 1 - min(r["steady_peak"] for r in ranks) / meas,
                      "predicted_at": max(plan.rows, key=lambda r: r.peak).phase,
                      "measured_at": max(ranks, key=lambda r: r["steady_peak"])["at"].split("/")[-1],
-                     "ranks": [_rank_row(run, plan, rank, r) for rank, r in enumerate(ranks)]})
+                     "per_rank": [_rank_row(run, plan, rank, r) for rank, r in enumerate(ranks)]})
     return rows
 
 
@@ -113,13 +113,13 @@ def _rank_row(run, plan, rank: int, measured: dict) -> dict:
 
 def worst_rank(row: dict) -> dict:
     """The rank of a run whose measured / predicted is farthest from 1."""
-    return max(row["ranks"], key=lambda r: abs(r["measured_over_predicted"] - 1))
+    return max(row["per_rank"], key=lambda r: abs(r["measured_over_predicted"] - 1))
 
 
 def table(rows: list[dict]) -> str:
     lines = ["run                        rank  predicted MiB  measured MiB  meas/pred  peak at (plan | measured)"]
     for r in rows:
-        for k in r["ranks"]:
+        for k in r["per_rank"]:
             lines.append(f"{r['name'] if k['rank'] == 0 else '':26} {k['rank']:>4} {k['predicted'] / 2**20:>14.2f} "
                          f"{k['measured'] / 2**20:>13.2f} {k['measured_over_predicted']:>10.3f}  "
                          f"{k['predicted_at']} | {k['measured_at']}")

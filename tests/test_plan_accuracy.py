@@ -73,7 +73,7 @@ def test_predicted_peak_within_ten_percent(measured, name):
 def test_every_rank_within_ten_percent(measured, name):
     """Each rank against the plan's row for its own pipeline stage (a pipeline's smaller ranks included)."""
     worst = worst_rank(measured[name])
-    assert abs(worst["measured_over_predicted"] - 1) <= TOLERANCE, (name, measured[name]["ranks"])
+    assert abs(worst["measured_over_predicted"] - 1) <= TOLERANCE, (name, measured[name]["per_rank"])
 
 
 def test_ranks_of_a_layout_measure_alike(measured):

@@ -114,7 +114,7 @@ def test_family_within_ten_percent(rows, name):
 def test_every_rank_within_ten_percent(rows, name):
     """Each rank against the plan's row for its own pipeline stage, not only the largest against the largest."""
     worst = worst_rank(rows[name])
-    assert abs(worst["measured_over_predicted"] - 1) <= TOLERANCE, (name, rows[name]["ranks"])
+    assert abs(worst["measured_over_predicted"] - 1) <= TOLERANCE, (name, rows[name]["per_rank"])
 
 
 def test_a_chunked_loss_measures_less(rows):

@@ -69,9 +69,7 @@ def keep_roots_gathered_for_the_head(roots: list, run: Resolved) -> None:
     """train.loss_chunks > 1: the head runs chunk by chunk after the root's forward has returned (the trainer's
     chunked loss, ModelSpec.head), so the FSDP root (embedding, final norm, head) keeps its parameters gathered
     from its forward to its backward instead of resharding in between (the backward gathers them anyway)."""
-    from trainer.models import loss_chunks
-
-    if loss_chunks(run) > 1:
+    if run.loss_chunks > 1:  # (this kind has a head: ModelSpec.head)
         for root in roots:
             root.set_reshard_after_forward(False, recurse=False)
 
