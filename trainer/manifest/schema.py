@@ -34,7 +34,6 @@ from trainer.manifest.sections import (  # noqa: F401  re-exported: the sections
     MAX_HEADS,
     MAX_KEEP,
     MAX_LAYERS,
-    MAX_LOSS_CHUNKS,
     MAX_NODES,
     MAX_NPROC,
     MAX_PP,

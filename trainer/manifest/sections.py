@@ -1,6 +1,6 @@
 """The manifest's sections: one strict, frozen pydantic model per section, and the model section's base.
 
-A leaf (imports nothing of mantra but choices.py, whose enums it names for schema.py too), torch-free:
+A leaf (imports nothing of mantra but choices.py and loss_chunks.py, leaves too), torch-free:
 `mantra validate` runs on login nodes and in editors, and every model kind's config class derives from
 ModelSection here. Unknown keys are errors (extra="forbid"); closed choices are enums (choices.py);
 nothing here mutates a value. Every whole number has an upper bound (MAX_* below, `maximum` in
@@ -40,6 +40,7 @@ from trainer.manifest.choices import (
     Verify,
     WandbMode,
 )
+from trainer.manifest.loss_chunks import LossChunks
 
 MANIFEST_VERSION = 1
 
@@ -59,7 +60,6 @@ MAX_SEQ_LEN = 2**24
 MAX_DEGREE = 2**17  # dp_replicate, dp_shard, cp, tp
 MAX_PP = 128  # `plan` simulates and prints every pipeline rank (Megatron's 1T run used 64)
 MAX_VIRTUAL_STAGES = 64
-MAX_LOSS_CHUNKS = MAX_SEQ_LEN  # train.loss_chunks: at most one chunk per token
 MAX_BATCH = 2**24  # samples: global_batch, micro_batch, microbatches
 MAX_STEPS = 10**9  # steps, and every count of steps (warmup, every, max_skipped)
 MAX_SEED = 2**63 - 1  # what torch.manual_seed takes as a signed 64-bit integer
@@ -221,19 +221,12 @@ class TrainSection(Section):
     steps: PositiveInt = Field(description="optimizer steps", le=MAX_STEPS)
     precision: Precision = Field(Precision.auto, description="auto: bf16 on GPU, fp32 on CPU")
     activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
-    selective_policy: SelectivePolicy = Field(
-        SelectivePolicy.all_matmuls,
-        description="with activation_checkpointing: selective, which outputs a block keeps for its backward: "
-        "all-matmuls (every matmul's and attention's) or alternate-matmuls (attention's and every other matmul's, "
-        "the rest recomputed: less memory, one more matmul in three recomputed)",
-    )
-    loss_chunks: PositiveInt | Literal["auto"] = Field(
-        1,
-        description="compute the output head's matmul and the loss in this many chunks of the sequence, each "
-        "recomputed in the backward, so the fp32 logits of the whole microbatch and their gradient never exist "
-        "at once; auto: vocab / 2048 chunks (at least 16 tokens each), 1 for a small vocabulary; 1 (default): "
-        "the whole sequence at once",
-    )
+    selective_policy: SelectivePolicy = Field(SelectivePolicy.all_matmuls, description="with selective recompute, "
+        "what a block keeps: all-matmuls (every matmul's and attention's output) or alternate-matmuls (attention's "
+        "and every other matmul's; the rest recomputed)")
+    loss_chunks: LossChunks = Field(1, description="the output head's matmul and the loss over this many chunks of "
+        "the sequence, each recomputed in the backward, so a microbatch's fp32 logits never exist whole; auto: "
+        "vocab / 2048 chunks of 16 tokens at least (1 for a small vocabulary); 1 (default): the whole sequence")
     compile: bool = Field(False, description="torch.compile each block")
     seed: NonNegativeInt = Field(0, description="seeds init and data order", le=MAX_SEED)
     on_nonfinite: OnNonFinite = Field(
@@ -256,17 +249,6 @@ class TrainSection(Section):
     eval_batches: PositiveInt = Field(
         4, description="global batches of data.valid each validation reads (the same ones every time)", le=MAX_STEPS
     )
-
-
-    @field_validator("loss_chunks", mode="wrap")
-    @classmethod
-    def _loss_chunks(cls, value: object, handler):
-        """One message per mistake (a union would report each of its branches)."""
-        if value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LOSS_CHUNKS:
-            raise ValueError(f"{value!r} is not allowed; use auto or a whole number of chunks from 1 to {MAX_LOSS_CHUNKS}")
-        return handler(value)
 
 
 class OptimizerSection(Section):
