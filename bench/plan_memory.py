@@ -83,6 +83,12 @@ FAMILIES: dict[str, tuple] = {  # name: (ranks, model, parallel, train[, optimiz
     # B does nothing), interleaved under full recompute, MoE with a capacity factor, ring cp near its band's edge
     "loss/vocab32k-chunked": (1, SMALL | {"vocab": 32768}, {}, {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
     "loss/vocab32k-tp2-chunked": (2, SMALL | {"vocab": 32768}, {"tp": 2}, {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
+    "loss/vocab32k-zero3x2-chunked": (2, SMALL | {"vocab": 32768}, {"optimizer_sharding": "zero3"},
+                                      {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
+    "loss/vocab32k-bf16-chunked": (1, SMALL | {"vocab": 32768}, {}, {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto",
+                                                                      "precision": "bf16"}),
+    "moe/selective-alternate": (1, MOE, {}, {"global_batch": 8, "micro_batch": 8, "activation_checkpointing": "selective",
+                                             "selective_policy": "alternate-matmuls"}),
     "loss/vocab32k-zb-h1": (2, SMALL | {"vocab": 32768}, {"pp": 2, "schedule": "zb-h1"}, {"global_batch": 8, "micro_batch": 2}),
     "loss/vocab32k-zb-h1-chunked": (2, SMALL | {"vocab": 32768}, {"pp": 2, "schedule": "zb-h1"},
                                     {"global_batch": 8, "micro_batch": 2, "loss_chunks": "auto"}),

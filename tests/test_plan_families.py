@@ -2,7 +2,7 @@
 each sized so one term dominates: optimizer states and their step (one token row per rank, dp2 none / zero1 /
 zero3, and zero2 with several buckets end to end below), activations (a long sequence under full recompute, and
 selective with alternate-matmuls), logits (a 32k vocabulary, alone and vocab-parallel over tp2, each with the
-loss whole and in chunks, and chunked on a zero-bubble last stage), the pipeline schedules the accuracy test
+loss whole and in chunks, and chunked under zero3 and on a zero-bubble last stage), the pipeline schedules the accuracy test
 leaves out (gpipe, interleaved-1f1b, also under full recompute, zb-h2 and zb-v with their default
 post-validation, redoing each step, and zb-v without it), recompute under a split backward (zb-h1 selective,
 full), pipelines with as few microbatches as stages over a 512-token sequence (1f1b, zb-h1, zb-h2 and zb-v,
@@ -72,6 +72,8 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "logits-vocab32k-chunked": (1, SMALL | {"vocab": 32768}, {}, {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
     "logits-vocab32k-tp2-chunked": (2, SMALL | {"vocab": 32768}, {"tp": 2}, {"global_batch": 8, "micro_batch": 4,
                                                                          "loss_chunks": "auto"}),
+    "logits-vocab32k-zero3x2-chunked": (2, SMALL | {"vocab": 32768}, {"optimizer_sharding": "zero3"},  # the 8B's dials
+                                        {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
     "logits-vocab32k-zb-h1-chunked": (2, SMALL | {"vocab": 32768}, {"pp": 2, "schedule": "zb-h1"},
                                       {"global_batch": 8, "micro_batch": 2, "loss_chunks": "auto"}),
     "activations-seq1024-alternate": (1, SMALL | {"seq_len": 1024}, {}, {"global_batch": 4, "micro_batch": 4,
