@@ -135,7 +135,8 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
         RunStatus(run.run_dir, True).write("hung", step, why)
 
     with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/run/watchdog.py
-        init_distributed(info, device, watchdog.collective_timeout_s)
+        init_distributed(info, device, watchdog.collective_timeout_s,  # and: every rank sees the same directories
+                         shared_dirs=(("run directory", run.run_dir), ("checkpoint directory", run.checkpoint_dir)))
         try:
             return _train(run, info, device, on_finish, watchdog, preempt)
         finally:
@@ -176,7 +177,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     spec = get_model_spec(m.model.kind)
     meter = Meter(device, spec.flops_per_token(m.model), run.tokens_per_step, run.world_size,
                   dp_group=mesh["dp_cp"].get_group() if mesh is not None else None,  # cp ranks: other tokens of the same samples
-                  pipeline=pipeline, peak_tflops=m.logging.peak_tflops)
+                  pipeline=pipeline, peak_tflops=m.logging.peak_tflops,
+                  parts=parts, run_dir=run.run_dir)  # each rank's forward time: step_time_max_over_median, stragglers
     autocast = autocast_for(run, device)
     validation = build_validation(run, model, pipeline, mesh, device, autocast, layout.dp_rank(info.rank),
                                   device.type == "cuda", cp)  # data.valid: val_loss at train.eval_every steps

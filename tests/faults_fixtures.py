@@ -1,0 +1,42 @@
+"""What the fault tests share: the tests-only `faulty` model kind (tests/plugin_faulty: llama plus faults from
+MANTRA_TEST_FAULTS) installed where only these tests' processes look, and a manifest that uses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from conftest import ROOT, merge, tiny_config
+
+
+def install_faulty(site: Path) -> Path:
+    """The plugin package and a dist-info naming its entry point, as `pip install` would leave them."""
+    if not (site / "faulty_kind").exists():
+        shutil.copytree(ROOT / "tests/plugin_faulty/faulty_kind", site / "faulty_kind")
+        info = site / "faulty_kind-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-kind\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text("[mantra.models]\nfaulty = faulty_kind:SPEC\n")
+    return site
+
+
+def faulty_env(site: Path, faults: list[dict] | None = None, base: dict | None = None) -> dict[str, str]:
+    """This environment with the plugin importable and `faults` armed (none: it trains as llama)."""
+    env = dict(base if base is not None else os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MANTRA_TEST_FAULTS"] = json.dumps(faults or [])
+    return env
+
+
+def write_faulty(directory: Path, name: str, steps: int, settings: dict | None = None) -> Path:
+    """The tiny manifest as model.kind faulty (llama's numbers), its run in DIRECTORY/NAME."""
+    config = merge(tiny_config(name, directory / name, steps=steps), settings or {})
+    config["model"]["kind"] = "faulty"
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
