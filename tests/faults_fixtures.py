@@ -40,3 +40,27 @@ def write_faulty(directory: Path, name: str, steps: int, settings: dict | None =
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def first_step_after(run_dir: Path, restarts: int, done, timeout: float = 240) -> float:
+    """When the attempt after restart `restarts` finished its first step (rank 0's books: the ledger counts the
+    restart at that attempt's start, <run dir>/progress moves past the step it resumed from); `done()` says the
+    run ended (then this raises)."""
+    import time
+
+    from trainer.run import ledger
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        books = ledger.load(run_dir)
+        progress = ledger.read_progress(run_dir)
+        if books.restarts >= restarts and books.open and progress is not None and progress[0] > books.step:
+            return time.time()
+        assert not done(), f"the run ended before a step after restart {restarts}"
+        time.sleep(0.05)
+    raise TimeoutError(f"no step after restart {restarts} within {timeout} s")
+
+
+def fired_at(once: Path, rank: int, step: int, what: str = "fired") -> float:
+    """When the plugin fired the fault of `rank` at `step` (the time it wrote into its marker)."""
+    return float((once / f"{what}-r{rank}-s{step}").read_text())
