@@ -261,7 +261,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 def test_a_sigstopped_rank_is_caught_as_a_hang_within_the_timeout(tmp_path):
     timeout = 5
     manifest = tmp_path / "stop/manifest.yaml"
-    path = write(tmp_path, "stop", LONG | {"train": {"steps": 100000, "hang_timeout_s": timeout}})
+    path = write(tmp_path, "stop", LONG | {"train": {"steps": 100000, "hang_timeout_s": timeout},
+                                           "launcher": {"max_restarts": 0}})  # restarted: tests/test_faults_local.py
     proc = start(path, 2)
     try:
         wait_for_step(tmp_path / "stop", 3, proc)
