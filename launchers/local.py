@@ -96,12 +96,12 @@ def run_local(run: Resolved) -> int:
 
 def summary_line(status: dict, name: str) -> str | None:
     """`mantra: tiny-cpu completed at step 150: goodput 83.2%, restarts 1, lost_steps 4` from status.json."""
-    if not isinstance(status.get("state"), str) or status.get("goodput", "absent") == "absent":
+    from trainer.run.status import faults_text
+
+    faults = faults_text(status)
+    if not isinstance(status.get("state"), str) or faults is None:
         return None
-    goodput = status.get("goodput")
-    shown = f"{goodput:.1%}" if isinstance(goodput, (int, float)) else "n/a"
-    return (f"mantra: {name} {status['state']} at step {status.get('step')}: goodput {shown}, "
-            f"restarts {status.get('restarts', 0)}, lost_steps {status.get('lost_steps', 0)}")
+    return f"mantra: {name} {status['state']} at step {status.get('step')}: {faults}"
 
 
 def say_summary(run: Resolved) -> None:

@@ -112,7 +112,7 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
         f'trap "rm -f {marker}; exit 143" TERM',
         f"rm -f {marker}",
         *s.setup,
-        *loop_head(runs, container),  # `while :; do` around srun: restarts in place (launchers/slurm_restart.py)
+        *loop_head(runs, python_for(run), container),  # `while :; do` around srun: restarts in place (launchers/slurm_restart.py)
     ]
     teardown = [
         "rc=$?",

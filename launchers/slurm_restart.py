@@ -37,18 +37,17 @@ from trainer.manifest import Resolved
 PROBE_TRIES = 120  # probes of every node, 5 s apart: a node silent for 10 minutes is lost even if Slurm says nothing
 
 
-def helper(runs: list[Resolved], container_args: list[str]) -> str:
-    """How the batch script runs this module: the tasks' interpreter, or inside the container (one task)."""
-    from launchers.sbatch import python_for
-
-    command = f"{python_for(runs[0])} -m launchers.slurm_restart"
+def helper(python: str, container_args: list[str]) -> str:
+    """How the batch script runs this module: with the tasks' interpreter, or inside the container (one task)."""
+    command = f"{python} -m launchers.slurm_restart"
     if container_args:
         return shlex.join(["srun", "--overlap", "--nodes=1", "--ntasks=1", *container_args]) + " " + command
     return command
 
 
-def loop_head(runs: list[Resolved], container_args: list[str]) -> list[str]:
-    """Batch-script lines before srun: each array element's directories and limit, the node probe, the loop."""
+def loop_head(runs: list[Resolved], python: str, container_args: list[str]) -> list[str]:
+    """Batch-script lines before srun: each array element's directories and limit, the node probe, the loop;
+    `python`: the tasks' interpreter (launchers/sbatch.py's python_for)."""
     def array(values) -> str:
         return "(" + " ".join(shlex.quote(str(v)) for v in values) + ")"
 
@@ -59,7 +58,7 @@ def loop_head(runs: list[Resolved], container_args: list[str]) -> list[str]:
         f"ckpt_dirs={array(r.checkpoint_dir.resolve() for r in runs)}",
         f"max_restarts={array(r.manifest.launcher.max_restarts for r in runs)}",
         "i=${SLURM_ARRAY_TASK_ID:-0}",
-        f'restart=({helper(runs, container_args)} "${{run_dirs[$i]}}" "${{ckpt_dirs[$i]}}" "${{max_restarts[$i]}}")',
+        f'restart=({helper(python, container_args)} "${{run_dirs[$i]}}" "${{ckpt_dirs[$i]}}" "${{max_restarts[$i]}}")',
         "wait_for_nodes() {  # every node of the allocation starts a task, or it is lost",
         f"    for _ in $(seq {PROBE_TRIES}); do",
         '        timeout 30 srun --overlap --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 
-from conftest import ROOT, merge, tiny_config
+from conftest import ROOT, merge, read_jsonl, tiny_config
 
 
 def install_faulty(site: Path) -> Path:
@@ -64,3 +66,20 @@ def first_step_after(run_dir: Path, restarts: int, done, timeout: float = 240) -
 def fired_at(once: Path, rank: int, step: int, what: str = "fired") -> float:
     """When the plugin fired the fault of `rank` at `step` (the time it wrote into its marker)."""
     return float((once / f"{what}-r{rank}-s{step}").read_text())
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """The loss of every step, asserting each step is logged once, in order."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [row["step"] for row in rows]
+    assert steps == list(range(1, len(steps) + 1)), f"each step once, in order: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def reference_losses(site: Path, where: Path, steps: int, settings: dict) -> dict[int, float]:
+    """The losses of `mantra run` of the faulty kind with no fault armed: what every healed run must repeat."""
+    path = write_faulty(where, "straight", steps, settings)
+    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(path)], cwd=ROOT, env=faulty_env(site),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(where / "straight")

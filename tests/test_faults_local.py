@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
-from faults_fixtures import faulty_env, fired_at, first_step_after, install_faulty, write_faulty
+from faults_fixtures import (faulty_env, fired_at, first_step_after, install_faulty, losses, reference_losses,
+                             write_faulty)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -34,22 +35,10 @@ def start(path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [row["step"] for row in rows]
-    assert steps == list(range(1, len(steps) + 1)), f"each step once, in order: {steps}"
-    return {row["step"]: row["loss"] for row in rows}
-
-
 @pytest.fixture(scope="module")
 def reference(site, tmp_path_factory) -> dict[int, float]:
     """The losses of the same run with no fault."""
-    where = tmp_path_factory.mktemp("reference")
-    path = write_faulty(where, "straight", STEPS, SETTINGS)
-    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(path)], cwd=ROOT, env=faulty_env(site),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(where / "straight")
+    return reference_losses(site, tmp_path_factory.mktemp("reference"), STEPS, SETTINGS)
 
 
 def run_with_fault(site: Path, tmp_path: Path, name: str, fault: dict, settings: dict | None = None,

@@ -20,17 +20,22 @@ SCRIPT = r"""
 import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from trainer import compat
 from trainer.dist import RankInfo, bound_collectives, init_distributed
 from trainer.parallel.mesh import build_mesh
+
+def group_timeouts():  # {group name: its backend's timeout, seconds}: torch's own bookkeeping, read-only
+    world = torch.distributed.distributed_c10d._world
+    return {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for group, name in list(world.pg_names.items())}
+
 
 out, info = Path(sys.argv[1]), RankInfo.from_env()
 init_distributed(info, torch.device("cpu"), 120)  # the warm-up budget
 mesh = build_mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}, torch.device("cpu"))
-warm = {name: t.total_seconds() for name, t in compat.group_timeouts().items()}
+warm = group_timeouts()
 bound_collectives(3)  # the first step is over: train.hang_timeout_s plus its grace, say 3 s
 later = dist.new_group([0, 1])  # a group made after it (post-validation's, the signal flag's)
-steady = {name: t.total_seconds() for name, t in compat.group_timeouts().items()}
+steady = group_timeouts()
 result = {"warm": warm, "steady": steady, "tp_ranks": dist.get_process_group_ranks(mesh["tp"].get_group())}
 if info.rank == 0:  # its tp peer, rank 1, never joins: the subgroup's collective must time out, not wait 30 minutes
     began = time.monotonic()

@@ -17,7 +17,6 @@ Recovery time: from the fault to the first step after it (rank 0's books: traine
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_jsonl
-from faults_fixtures import faulty_env, fired_at, first_step_after, install_faulty, write_faulty
+from conftest import ROOT
+from faults_fixtures import (faulty_env, fired_at, first_step_after, install_faulty, losses, reference_losses,
+                             write_faulty)
 from slurm_fixtures import (NODES, job_id_of, job_nodes, kill_node, ranks_on, require_multinode, scontrol,
                             start_local_slurm, submitted_jobs, wait_until)
 
@@ -55,22 +55,11 @@ def site(tmp_path_factory) -> Path:
     return install_faulty(tmp_path_factory.mktemp("site"))
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [row["step"] for row in rows]
-    assert steps == list(range(1, len(steps) + 1)), f"each step once, in order: {steps}"
-    return {row["step"]: row["loss"] for row in rows}
-
-
 @pytest.fixture(scope="module")
 def reference(site, tmp_path_factory) -> dict[int, float]:
     """The same training on 2 local ranks, no fault."""
-    where = tmp_path_factory.mktemp("reference")
-    path = write_faulty(where, "straight", STEPS, {"checkpoint": {"every": 5}, "launcher": {"nproc": 2}})
-    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(path)], cwd=ROOT, env=faulty_env(site),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(where / "straight")
+    return reference_losses(site, tmp_path_factory.mktemp("reference"), STEPS,
+                            {"checkpoint": {"every": 5}, "launcher": {"nproc": 2}})
 
 
 def submit(site: Path, tmp_path: Path, name: str, fault: dict, settings: dict | None = None) -> subprocess.Popen:
@@ -94,6 +83,15 @@ def finish(proc: subprocess.Popen, run_dir: Path, fault_at, what: str, timeout: 
     return job, out, err
 
 
+def kill_rank1_node_at_step_12(proc: subprocess.Popen, run_dir: Path, once: Path) -> tuple[str, str, float]:
+    """Once rank 1 waits at step 12 (the plugin's `wait`), every process of its node dies: (job, node, when)."""
+    job = job_id_of(run_dir)
+    wait_until(lambda: (once / "at-r1-s12").exists() or proc.poll() is not None, 240, "rank 1 at step 12")
+    node = job_nodes(job)[1]
+    assert kill_node(node)
+    return job, node, time.time()
+
+
 def assert_healed(run_dir: Path, job: str, out: str, err: str, reference: dict[int, float], requeued: bool) -> None:
     if requeued:  # Slurm's own requeue (the node DOWN) ends the batch script before it can say anything
         assert f"mantra: job {job} was requeued (restart 1, SLURM_RESTART_COUNT=1)" in err, err[-4000:]
@@ -103,6 +101,7 @@ def assert_healed(run_dir: Path, job: str, out: str, err: str, reference: dict[i
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == str(int(requeued)), info
     again = " after 1 restart (SLURM_RESTART_COUNT=1)" if requeued else ""
     assert f"job {job} (faulty) completed{again}: 2 ranks, {STEPS} steps" in out, out[-2000:]
+    assert "; goodput " in out and "restarts 1, lost_steps 1" in out, out[-2000:]  # --wait's last line says all three
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "completed" and status["step"] == STEPS, status
     assert status["restarts"] == 1 and status["lost_steps"] == 1 and 0 < status["goodput"] < 1, status
@@ -130,11 +129,7 @@ def test_a_node_killed_and_back_after_5_s_restarts_in_place(cluster, jobs, site,
     proc = submit(site, tmp_path, "faulty", {"rank": 1, "step": 12, "do": "wait"})
     killed = {}
     try:
-        job = job_id_of(run_dir)
-        wait_until(lambda: (once / "at-r1-s12").exists() or proc.poll() is not None, 240, "rank 1 at step 12")
-        node = job_nodes(job)[1]
-        assert kill_node(node)
-        killed["at"] = time.time()
+        job, node, killed["at"] = kill_rank1_node_at_step_12(proc, run_dir, once)
         time.sleep(5)  # the fault under test: a node away for 5 s (a quick reboot, a slurmd restart)
         assert start_local_slurm("--nodes", str(NODES)).returncode == 0
     except BaseException:
@@ -155,11 +150,7 @@ def test_a_node_lost_for_good_requeues_the_job_onto_the_healthy_nodes(cluster, j
     proc = submit(site, tmp_path, "faulty", {"rank": 1, "step": 12, "do": "wait"})
     killed = {}
     try:
-        job = job_id_of(run_dir)
-        wait_until(lambda: (once / "at-r1-s12").exists() or proc.poll() is not None, 240, "rank 1 at step 12")
-        first, dead = job_nodes(job)
-        assert kill_node(dead)
-        killed["at"] = time.time()
+        job, dead, killed["at"] = kill_rank1_node_at_step_12(proc, run_dir, once)
         wait_until(lambda: scontrol(job).get("Restarts") == "1" and scontrol(job).get("JobState") == "PENDING", 120,
                    "the job to be requeued")
         requeued_s = time.time() - killed["at"]

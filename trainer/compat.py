@@ -62,7 +62,7 @@ APIS = {
     "mesh_unflatten": Api("expert parallel (the ep and expert-dp meshes carved out of dp x cp)", "DeviceMesh._unflatten"),
     "group_timeouts": Api("every process group bounded by train.hang_timeout_s, the mesh's subgroups included",
                           "torch.distributed.distributed_c10d: _set_pg_timeout, _world.pg_names, and the module's "
-                          "default_pg_timeout / default_pg_nccl_timeout that new groups take; Backend.options._timeout"),
+                          "default_pg_timeout / default_pg_nccl_timeout that new groups take"),
     "foreach": Api("gradient norms and clipping", "torch._foreach_norm, torch._foreach_mul_",
                    otherwise="a loop of torch.linalg.vector_norm and mul_"),
     "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*, _grouped_mm",
@@ -335,20 +335,6 @@ def bound_groups(timeout: Any) -> int:
             set_timeout(timeout, group)
             bounded += 1
     return bounded
-
-
-def group_timeouts() -> dict[str, Any]:
-    """{group name: its backend's timeout} for every group this rank belongs to (tests read it)."""
-    import torch
-
-    world = _private("group_timeouts", "torch.distributed.distributed_c10d", "_world")
-    out = {}
-    for group, name in list(world.pg_names.items()):
-        for device in (torch.device("cpu"), torch.device("cuda")):
-            with contextlib.suppress(RuntimeError, AttributeError, ValueError):
-                out[name] = group._get_backend(device).options._timeout
-                break
-    return out
 
 
 # -- foreach kernels --------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from typing import Any
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
                "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "val_loss", "val_ppl",
                "step_time_max_over_median")
-STRAGGLER_RATIO = 1.25  # a rank this much slower than the median (trainer/report/straggler.py)
 INT_KEYS = frozenset({"step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes"})
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a

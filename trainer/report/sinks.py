@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.report.meter import INT_KEYS, METRIC_KEYS, STRAGGLER_RATIO
+from trainer.report.meter import INT_KEYS, METRIC_KEYS
+from trainer.report.straggler import RATIO as STRAGGLER_RATIO
 
 
 def _missing(package: str) -> RuntimeError:

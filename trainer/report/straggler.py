@@ -26,14 +26,11 @@ import statistics
 import time
 from collections.abc import Iterable
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-from trainer.report.meter import STRAGGLER_RATIO as RATIO
+from typing import Any
 
 log = logging.getLogger(__name__)
 
+RATIO = 1.25  # torch is imported where it is used: the console sink reads this without it
 STREAK = 3
 MIN_EXCESS_S = 0.01  # and at least this much slower per step: a tiny model's millisecond jitter names nobody
 
@@ -41,7 +38,7 @@ MIN_EXCESS_S = 0.01  # and at least this much slower per step: a tiny model's mi
 class ForwardClock:
     """The seconds this rank's `modules` spend in forward, summed since the last `take`."""
 
-    def __init__(self, modules: Iterable[torch.nn.Module], device: torch.device):
+    def __init__(self, modules: Iterable[Any], device: Any):
         self.cuda = device.type == "cuda"
         self._open: list = []
         self._spans: list = []
@@ -53,6 +50,8 @@ class ForwardClock:
 
     def _now(self):
         if self.cuda:
+            import torch
+
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
@@ -97,10 +96,12 @@ def compare(times: list[float], stages: list[int]) -> tuple[float, int, float]:
 class Stragglers:
     """Built on every rank (a collective: it gathers the hosts); `measure` at each log step on every rank."""
 
-    def __init__(self, modules: Iterable[torch.nn.Module], device: torch.device, pp_rank: int = 0,
-                 run_dir: Path | None = None):
+    def __init__(self, modules: Iterable[Any], device: Any, pp_rank: int = 0, run_dir: Path | None = None):
+        import torch.distributed as dist
+
         self.device, self.pp_rank, self.run_dir = device, pp_rank, run_dir
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.clock = ForwardClock(modules, device)
         self.hosts = [socket.gethostname()] * self.world
         if self.world > 1:
@@ -109,6 +110,9 @@ class Stragglers:
 
     def measure(self, step: int, steps: int) -> float | None:
         """step_time_max_over_median over the `steps` steps since the last log step (collective)."""
+        import torch
+        import torch.distributed as dist
+
         seconds = self.clock.take() / max(steps, 1)
         if self.world == 1:
             return None
@@ -131,7 +135,7 @@ class Stragglers:
         if self.streak >= STREAK and not self.warned:
             self.warned = True
             host = self.hosts[slowest]
-            if not dist.is_initialized() or dist.get_rank() == 0:
+            if self.rank == 0:
                 log.warning("straggler: rank %d on %s took %.2fx the median rank's time per step for %d log steps "
                             "in a row (steps %d-%d); a slow or shared device, or a hot node, slows every rank",
                             slowest, host, ratio, self.streak, self.since, step)

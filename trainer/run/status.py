@@ -67,3 +67,12 @@ def read_status(run_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return status if isinstance(status, dict) else {}
+
+
+def faults_text(status: dict) -> str | None:
+    """`goodput 83.2%, restarts 1, lost_steps 4` from a status.json that carries them, else None."""
+    if "goodput" not in status:
+        return None
+    goodput = status.get("goodput")
+    shown = f"{goodput:.1%}" if isinstance(goodput, (int, float)) and not isinstance(goodput, bool) else "n/a"
+    return f"goodput {shown}, restarts {status.get('restarts', 0)}, lost_steps {status.get('lost_steps', 0)}"
