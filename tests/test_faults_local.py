@@ -134,3 +134,19 @@ def test_a_slow_rank_is_named_once_and_in_every_log_step(site, tmp_path):
     table = subprocess.run([sys.executable, "-m", "launchers.cli", "runs", str(tmp_path / "slow")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert f"straggler rank 1 on {host}" in table.stdout, table.stdout
+
+
+def test_bad_data_found_by_the_ranks_ends_the_run_at_once_with_exit_2(site, tmp_path):
+    """A token id beyond the vocab, found only when the ranks read the data: no restart can help; mantra says
+    it once, `error: ...`, and exits 2."""
+    import numpy as np
+
+    tokens = tmp_path / "big-ids.bin"
+    np.full(4096, 300, dtype=np.uint16).tofile(tokens)
+    path = write_faulty(tmp_path, "bad", STEPS, SETTINGS | {"data": {"source": "tokens", "path": str(tokens)}})
+    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=faulty_env(site))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "300" in errors[0] and "vocab" in errors[0], proc.stderr[-3000:]
+    assert "restart" not in proc.stderr and "mantra: failed" not in proc.stderr
