@@ -13,7 +13,8 @@ boundary, instead of killing the rank half-started. Nothing above `main` may imp
 `--launcher-pid` is given by `mantra run` (launchers/supervise.py), which watches over this rank:
 the rank leaves as soon as that process is gone, and a save-and-stop on a signal exits 0 with the
 reason in status.json, which mantra turns into its own exit code (torchrun calls any non-zero exit a
-failure and prints a report for it).
+failure and prints a report for it). A bad manifest, data or directory found by a rank exits 2 without a
+traceback (`quiet_usage_errors`): its record in <run dir>/faults/ says why, and the launcher prints it once.
 """
 
 from __future__ import annotations
