@@ -27,9 +27,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from trainer.models.llama import llama_spec
+import trainer.models.llama as llama
 from trainer.models.llama.config import LlamaConfig
 from trainer.run import watchdog
+
+LLAMA = llama.SPEC if hasattr(llama, "SPEC") else llama.llama_spec()  # the registry's entry, as either form names it
 
 ENV = "MANTRA_TEST_FAULTS"
 
@@ -82,8 +84,8 @@ def beat(self, step, phase):
 watchdog.HangWatchdog.beat = beat
 
 
-def parallelize(model, run, mesh, device):
-    parts = llama_spec().parallelize(model, run, mesh, device)
+def parallelize(model, *args, **kwargs):  # llama's, whatever it is handed; then the slow rank's delay
+    parts = LLAMA.parallelize(model, *args, **kwargs)
     delay = sum(f.get("seconds", 0.0) for f in faults() if f["do"] == "slow" and f.get("rank") == rank())
     if delay:
         for module in [parts.model] if parts.stages is None else list(parts.stages.values()):
@@ -91,5 +93,5 @@ def parallelize(model, run, mesh, device):
     return parts
 
 
-SPEC = dataclasses.replace(llama_spec(), name="faulty", description="llama with injected faults (tests only)",
+SPEC = dataclasses.replace(LLAMA, name="faulty", description="llama with injected faults (tests only)",
                            config=FaultyConfig, parallelize=parallelize, hf=None)
