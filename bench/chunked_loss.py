@@ -8,7 +8,10 @@ backward over one microbatch of seq 2048 at a 32k and a 128k vocabulary, its liv
 For each vocabulary it prints one JSON line: the step's peak live bytes whole and chunked and their ratio; the
 loss region of each, i.e. the peak less what the forward leaves alive before the head (the model, the inputs and
 the blocks' activations, the same in both), and its ratio (the goal: at most 1/8); the chunks; the seconds of
-each forward + backward; and the plan's logits row for the same shape (trainer/plan/activations.py).
+each forward + backward, timed apart from the tracking (whose per-op cost grows with the chunks' ops); and
+the plan's logits row for the same shape (trainer/plan/activations.py).
+
+    python bench/chunked_loss.py --seq 128 --dim 32 --vocabs 4096  # the smallest (tests/test_bench_smoke.py)
 """
 
 from __future__ import annotations
@@ -36,26 +39,32 @@ VOCABS = (32768, 128256)
 
 
 def one_step(cfg: LlamaConfig, chunks: int, micro_batch: int) -> tuple[int, int, float]:
-    """(peak live bytes, live bytes once the forward has made the head's input, seconds) of one forward and
-    backward with the loss in `chunks` chunks. The head's input is made by the chunked path in both cases, so the
-    second number is the forward's state before the head, the same whole or chunked."""
+    """(peak live bytes, live bytes once the forward has made the head's input, seconds) of a forward and
+    backward with the loss in `chunks` chunks: tracked once, then timed once untracked. The head's input is made
+    by the chunked path in both cases, so the second number is the forward's state before the head, the same
+    whole or chunked."""
     spec = get_model_spec("llama")
     model = spec.build(cfg)
     spec.init_weights(model, 0)
     tokens = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     head = HeadLoss(spec.loss, chunks, spec.head.hidden, spec.head.logits) if chunks > 1 else HeadLoss(spec.loss)
-    with LiveTensorTracker() as track:
-        begin = time.perf_counter()
+
+    def step() -> torch.Tensor:
         h = spec.head.hidden(model, tokens[:, :-1])
         mark = torch.empty(1)  # its allocation marks the end of the forward up to the head
         out = head.loss(model, h, tokens[:, 1:]) if chunks > 1 else spec.loss(model.project(h), tokens[:, 1:])
         del h
         out.backward()
-        seconds = time.perf_counter() - begin
-        del out
+        return mark
+
+    with LiveTensorTracker() as track:
+        mark = step()
     ptr = mark.untyped_storage().data_ptr()
     at = max(i for i, s in enumerate(track.samples) if s.ptr == ptr and s.delta > 0)
-    return track.peak().total, track.samples[at - 1].total, seconds
+    model.zero_grad(set_to_none=True)
+    begin = time.perf_counter()
+    step()
+    return track.peak().total, track.samples[at - 1].total, time.perf_counter() - begin
 
 
 def measure(vocab: int, dim: int, seq: int, micro_batch: int) -> dict:
@@ -80,10 +89,11 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS))
     ap.add_argument("--out", type=Path, help="append one JSON line per vocabulary here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    for vocab in VOCABS:
+    for vocab in args.vocabs:
         row = measure(vocab, args.dim, args.seq, args.micro_batch)
         import datetime
         import platform

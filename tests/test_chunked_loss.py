@@ -2,7 +2,8 @@
 (trainer/parallel/chunked_loss.py, through the kind's ModelSpec.head) give the unchunked loss and gradients
 within 1e-6 (fp32), in one process, under tensor parallel (a vocab-parallel loss over a vocab-sharded head,
 with and without sequence parallel), on a pipeline's last stage (1F1B, and zero-bubble's split B and W), with
-a tied head and under zero3; and the fp32 logits of the whole microbatch never exist at once."""
+a tied head, under zero3, under ring context parallel and for the MoE kind under ep2; and the fp32 logits
+of the whole microbatch never exist at once."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def test_chunk_sizes_and_auto():
     assert auto_loss_chunks(256, 64) == 1 and auto_loss_chunks(32768, 64) == 4  # 16 tokens a chunk at least
 
 
+MOE = {"kind": "moe", "experts": 4, "top_k": 2, "expert_ffn_dim": 32,
+       "balance": {"aux_loss": {"scope": "micro-batch", "coeff": 0.05}, "z_loss": 0.01}}
 SGD = {"optimizer": {"name": "sgd", "lr": 0.05, "warmup": 0, "grad_clip": 1.0}}
 LAYOUTS = {  # name: parallel settings (and model), each trained whole and in 4 chunks on two ranks
     "tp2": {"parallel": {"tp": 2}},
@@ -82,6 +85,8 @@ LAYOUTS = {  # name: parallel settings (and model), each trained whole and in 4 
     "pp2-1f1b-tied": {"parallel": {"pp": 2, "schedule": "1f1b"}, "model": {"tie_embeddings": True}},
     "pp2-zb-h1": {"parallel": {"pp": 2, "schedule": "zb-h1"}},
     "zero3x2": {"parallel": {"optimizer_sharding": "zero3"}},
+    "cp2-ring": {"parallel": {"cp": 2, "cp_kind": "ring"}},  # each rank chunks its own half of the sequence
+    "moe-ep2": {"parallel": {"ep": 2}, "model": MOE},  # another kind, its aux and z losses beside the chunked one
 }
 
 
