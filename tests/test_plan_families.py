@@ -8,9 +8,9 @@ post-validation, redoing each step, and zb-v without it), recompute under a spli
 full), pipelines with as few microbatches as stages over a 512-token sequence (1f1b, zb-h1, zb-h2 and zb-v,
 each with and without post-validation: the first stage, whose B does nothing, included), context parallel
 (Ulysses and ring at cp2, seq 1024; ring at seq 256 under selective recompute) and mixture of experts
-(activations, selective, ep2, and ep2 with a capacity factor that drops rows). Every rank's steady peak of live
-tensor bytes within ±10% of the plan's row for its pipeline stage (bench/plan_memory.py runs more of each
-family; docs/plan.md has its table).
+(activations, selective, ep2, and ep2 with a capacity factor: 0.5, which bounds the rows, and #27's 1.25).
+Every rank's steady peak of live tensor bytes within ±10% of the plan's row for its pipeline stage
+(bench/plan_memory.py runs more of each family; docs/plan.md has its table).
 
 One of them goes end to end through the user's commands: `mantra run` with `logging.memory: tensors` on
 two ranks (peak_tensor_bytes in every metrics line, memory/rank-N.json per rank), then
@@ -68,6 +68,7 @@ FAMILIES: dict[str, tuple[int, dict, dict, dict]] = {  # name: (ranks, model, pa
     "moe-ep2": (2, MOE, {"ep": 2}, {"global_batch": 8, "micro_batch": 4}),
     # a capacity factor of 0.5: each expert keeps at most half its uniform share of rows (the plan's bound)
     "moe-ep2-capacity": (2, MOE | {"capacity_factor": 0.5}, {"ep": 2}, {"global_batch": 8, "micro_batch": 4}),
+    "moe-ep2-capacity-1.25": (2, MOE | {"capacity_factor": 1.25}, {"ep": 2}, {"global_batch": 8, "micro_batch": 4}),
     # train.loss_chunks: auto (4 chunks of 16 tokens): one chunk's logits, the head's weight gradient summed
     "logits-vocab32k-chunked": (1, SMALL | {"vocab": 32768}, {}, {"global_batch": 8, "micro_batch": 4, "loss_chunks": "auto"}),
     "logits-vocab32k-tp2-chunked": (2, SMALL | {"vocab": 32768}, {"tp": 2}, {"global_batch": 8, "micro_batch": 4,
