@@ -106,11 +106,11 @@ def synchronous_step(step: int, model, sync: GradSync, pipeline, microbatches, d
     return step, loss, grad_norm, lr, stop
 
 
-def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard) -> PostValidation:
+def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard, rollbacks: int = 0) -> PostValidation:
     """parallel.post_validation: the state each step reduces in the background, over communicators of its own
-    (every rank creates every group, in the same order)."""
+    (every rank creates every group, in the same order). `rollbacks`: those carried in the resumed checkpoint."""
     return PostValidation(sync, run.manifest.optimizer.grad_clip or float("inf"), new_group_along(mesh, "pp"),
-                          dist.new_group(backend="gloo"), guard.admit)
+                          dist.new_group(backend="gloo"), guard.admit, rollbacks)
 
 
 def context_shard(run: Resolved, mesh) -> ContextShard | None:
@@ -182,7 +182,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                                   device.type == "cuda", cp)  # data.valid: val_loss at train.eval_every steps
     own_flag = preempt is None
     preempt = PreemptionFlag().install() if own_flag else preempt  # a signal since start-up is kept
-    guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
+    carried = resumed.counters if resumed else {}  # skipped_steps, rollbacks: counted on across restarts
+    guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped, carried.get("skipped_steps", 0))
     loss = torch.zeros(())
 
     def kind_metrics() -> dict:  # the model kind's keys (a collective at the log steps), e.g. an MoE's load
@@ -198,7 +199,11 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                          resume_step=resumed.step if resumed else None, tokens_per_step=run.tokens_per_step,
                          extra_keys=spec.metric_keys) as sinks:
             # parallel.post_validation: each step's update is applied at once and checked during the next
-            post = build_post_validation(run, sync, mesh, guard) if pipeline and pipeline.post_validation else None
+            post = build_post_validation(run, sync, mesh, guard, carried.get("rollbacks", 0)) \
+                if pipeline and pipeline.post_validation else None
+
+            def counters() -> dict[str, int]:  # what the checkpoint carries for the metrics rows
+                return {"skipped_steps": guard.skipped, "rollbacks": post.rollbacks if post is not None else 0}
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
@@ -231,13 +236,13 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                             "peak_tensor_bytes": memory.report(done)} | val | kind_metrics())
                 if saved:
                     watchdog.beat(step, "checkpoint save")
-                ckpt.maybe_save(step, last, sync, model, lr_schedule, loader, manifest_text)
+                ckpt.maybe_save(step, last, sync, model, lr_schedule, loader, manifest_text, counters())
                 ckpt.poll()
                 stop = next((s for *_, s, _ in finished if s), None)
                 if step < m.train.steps and stop:  # SIGTERM/USR1: requeue; SIGINT: stop
                     watchdog.beat(step, "checkpoint save")
                     if not saved:
-                        ckpt.save(step, sync, model, lr_schedule, loader, manifest_text)
+                        ckpt.save(step, sync, model, lr_schedule, loader, manifest_text, counters=counters())
                     ckpt.wait()
                     status.write(stop.state, step)
                     raise stop(step)

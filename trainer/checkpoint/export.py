@@ -15,8 +15,8 @@ weights are read.
 The checkpoint is read as hostile, like a resume does (trainer/checkpoint/resume.py):
 the root's `latest` is followed only to a step directory inside the root, every
 file is checked against COMMITTED's checksums before it is read (verify=True),
-and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
-one line naming the file, exit 2.
+and metadata.json and the raw chunks are read by mantra's own storage reader:
+no pickle. Any refusal is an ExportError: one line naming the file, exit 2.
 
 The tokenizer is the one the run trained with: a `data.tokenizer: byte` run's
 ids are raw byte values, written as a tokenizer.json whose ids are those bytes
@@ -42,9 +42,9 @@ from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST
 from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
 from trainer.checkpoint.resume import one_line
-from trainer.checkpoint.storage import SafeLoadPlanner, TrustedReader
+from trainer.checkpoint.plain import PlainDataError
+from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader
 from trainer.manifest.schema import Manifest
-from trainer.checkpoint.safe_unpickle import RefusedPickle
 
 
 class ExportError(ValueError):
@@ -80,28 +80,28 @@ def read_manifest(checkpoint: Path, verify: bool = True) -> Manifest:
     step = resolve_checkpoint(Path(checkpoint))
     try:
         return _read_manifest(step, verify)[1]
-    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+    except (IntegrityError, PlainDataError, OutsideCheckpoint) as exc:
         raise ExportError(str(exc)) from None
 
 
 def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, Manifest]:
     """The whole model of a checkpoint, in this one process, whatever layout saved it. verify=False skips
-    the checksums (for checkpoints written before they were recorded); the allowlist always applies."""
+    the checksums; every bound on what is read still applies."""
     from trainer.models import get_model_spec
 
     step = resolve_checkpoint(Path(checkpoint))
     try:
         marker, manifest = _read_manifest(step, verify)
         reader = TrustedReader(step, marker)
-        reader.read_metadata()  # checked and allowlisted before DCP sees it
+        reader.read_metadata()  # checked and bounded before DCP sees it
         spec = get_model_spec(manifest.model.kind)
         model = spec.build(manifest.model)
         spec.init_weights(model, 0)  # buffers; every parameter is overwritten below
         state = {"model": model.state_dict()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+            dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    except (IntegrityError, PlainDataError, OutsideCheckpoint) as exc:
         raise ExportError(str(exc)) from None
     except CheckpointException as exc:  # raised inside DCP's read (a shard's checksum): keep its last line
         raise ExportError(f"{step}: {one_line(exc)}") from None

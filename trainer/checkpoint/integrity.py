@@ -31,9 +31,12 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.checkpoint.plain import PlainDataError, loads
+
 COMMITTED = "COMMITTED"
 CHUNK = 8 << 20  # streaming: memory stays at one chunk whatever the shard size
 MAX_MARKER_BYTES = 64 << 20  # a marker lists file names; anything larger is not ours
+MAX_MARKER_VALUES = 4 << 20  # four values per file: a million files, far above any world size
 RANK_CHECKSUMS = ".checksums-rank{rank}.json"
 
 try:
@@ -57,7 +60,7 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
-def _new_hasher(algorithm: str):
+def new_hasher(algorithm: str):
     if algorithm == "xxh3_64" and xxhash is not None:
         return xxhash.xxh3_64()
     if algorithm == "crc32":
@@ -69,7 +72,7 @@ ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 
 
 def checksum_bytes(data: bytes, algorithm: str = ALGORITHM) -> str:
-    h = _new_hasher(algorithm)
+    h = new_hasher(algorithm)
     h.update(data)
     return h.hexdigest()
 
@@ -88,7 +91,7 @@ def regular_file(path: Path) -> os.stat_result:
 def checksum_file(path: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
     """(size, checksum) of a file, read in chunks."""
     regular_file(path)
-    h, size = _new_hasher(algorithm), 0
+    h, size = new_hasher(algorithm), 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
@@ -131,20 +134,32 @@ def write_marker(step_dir: Path, step: int, files: dict[str, tuple[int, str]], a
 
 
 def read_marker(step_dir: Path) -> Marker:
-    """Parse COMMITTED strictly (it is as hostile as any file in the checkpoint)."""
+    """Parse COMMITTED strictly (it is as hostile as any file in the checkpoint): bounded JSON of one shape."""
     path = step_dir / COMMITTED
     st = regular_file(path)
     if st.st_size > MAX_MARKER_BYTES:
         raise IntegrityError(f"{path} is {st.st_size} bytes; not a commit marker")
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    if text.startswith("step ") and text[5:].strip().isdigit():  # the form before checksums
-        return Marker(step=int(text[5:].strip()), algorithm=None, files=None)
+    with open(path, "rb") as f:
+        data = f.read(MAX_MARKER_BYTES + 1)
+    if data.startswith(b"step ") and data[5:].strip().isdigit() and len(data) < 32:  # the form before checksums
+        return Marker(step=int(data[5:].strip()), algorithm=None, files=None)
     try:
-        body = json.loads(text)
-        files = {plain_name(name): (int(entry["size"]), str(entry["checksum"])) for name, entry in body["files"].items()}
-        return Marker(step=int(body["step"]), algorithm=str(body["algorithm"]), files=files)
+        body = loads(data, str(path), max_depth=4, max_values=MAX_MARKER_VALUES)
+        if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
+            raise TypeError("not an object with 'files'")
+        files = {plain_name(name): (_count(entry["size"]), str(entry["checksum"])) for name, entry in body["files"].items()}
+        return Marker(step=_count(body["step"]), algorithm=str(body["algorithm"]), files=files)
+    except PlainDataError as exc:
+        raise IntegrityError(f"{exc}; not a valid commit marker") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise IntegrityError(f"{path} is not a valid commit marker ({type(exc).__name__}: {exc})") from None
+        raise IntegrityError(f"{path} is not a valid commit marker ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _count(value: object) -> int:
+    """A size or step as the marker must hold it: a non-negative int (not a bool, float or string)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{value!r:.40} is not a non-negative integer")
+    return value
 
 
 def expect(marker: Marker, step_dir: Path, name: str) -> tuple[int, str]:
@@ -208,8 +223,13 @@ def gather_rank_checksums(step_dir: Path, world_size: int) -> dict[str, tuple[in
         path = step_dir / RANK_CHECKSUMS.format(rank=rank)
         if not path.exists():
             raise IntegrityError(f"{path} is missing: rank {rank} did not report the checksums of its files")
-        for name, (size, digest) in json.loads(path.read_text()).items():
-            files[plain_name(name)] = (int(size), str(digest))
+        try:
+            entries = loads(read_verified(None, step_dir, path.name, MAX_MARKER_BYTES), str(path), max_depth=3,
+                            max_values=MAX_MARKER_VALUES)
+            for name, (size, digest) in entries.items():
+                files[plain_name(name)] = (_count(size), str(digest))
+        except (PlainDataError, ValueError, TypeError, AttributeError) as exc:
+            raise IntegrityError(f"{path} is not a checksum list of mantra's ({exc})") from None
     return files
 
 
