@@ -304,8 +304,8 @@ def add_info_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: safetensors + config.json)")
     p.add_argument("out", type=Path, metavar="DIR", help="output directory")
     p.add_argument("--verify", choices=["full", "off"], default="full",
-                   help="full (default): check every file against the checksums recorded at commit; off: a "
-                        "checkpoint from before checksums (its metadata is still read through the allowed list)")
+                   help="full (default): check every file against the checksums recorded at commit; off: skip "
+                        "the checksums (every file is still read with its bounds, and never as a pickle)")
     p.set_defaults(fn=cmd_export)
 
 

@@ -45,7 +45,6 @@ def build_local(manifest: Path):
                           microbatches=run.grad_accum, dp_rank=0, dp_size=1)
     train_step(model, sync, loader.microbatches(0), device, torch.autocast("cpu", enabled=False), 1, run.grad_accum)
     sync.step()
-    schedule.step()
     return model, sync, schedule, loader
 
 

@@ -142,7 +142,7 @@ def test_the_json_reader_bounds_depth_values_and_numbers():
         "betas": (0.9, 0.95), "inf": float("inf"), "list": [1, None, True]}
     assert loads(b'["a[[[[\\\\", "b\\"]]]]"]', "x", max_depth=1) == ["a[[[[\\", 'b"]]]]']  # brackets in strings
     for data, says in [(b"[" * 100_000 + b"]" * 100_000, "nested deeper than 16"), (b"[[]", "unbalanced"),
-                       (b"[" + b"0," * 5000 + b"0]", "values"), (b"1" * 30, "digits"), (b"NaN", "NaN"),
+                       (b"[" + b"0," * 5000 + b"0]", "values"), (b"1" * 30, "digits"), (b"NaN", "NaN"), (b"[1e999]", "finite"),
                        (b'{"__tuple__": 1}', "malformed"), (b'{"__float__": "1e999"}', "malformed"),
                        (b'{"__tuple__": [], "x": 1}', "tag beside"), (b"\x80\x02}.", "unbalanced")]:
         with pytest.raises(PlainDataError, match=says):

@@ -164,26 +164,11 @@ def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
 @pytest.fixture
 def local(tmp_path):
     """A tiny model, its optimizer (after one real step, so AdamW has state), LR schedule and loader."""
-    from trainer.data.loader import build_loader
-    from trainer.assemble import build_model
-    from trainer.loop import train_step
-    from trainer.manifest import load_manifest
-    from trainer.optim import build_lr_schedule, build_optimizer
-    from trainer.parallel.data.sync import LocalSync
+    from checkpoint_attack import build_local
 
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(tiny_config("local", tmp_path / "local", steps=4)))
-    run, _ = load_manifest(path)
-    m, device = run.manifest, torch.device("cpu")
-    model = build_model(run, None, device)
-    sync = LocalSync(model, build_optimizer(list(model.named_parameters()), m.optimizer, device))
-    schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
-    loader = build_loader(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=0,
-                          global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
-                          microbatches=run.grad_accum, dp_rank=0, dp_size=1)
-    train_step(model, sync, loader.microbatches(0), device, torch.autocast("cpu", enabled=False), 1, run.grad_accum)
-    sync.step()
-    return model, sync, schedule, loader
+    return build_local(path)
 
 
 def test_a_state_holding_nan_is_never_committed(local, tmp_path):

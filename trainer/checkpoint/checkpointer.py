@@ -221,6 +221,7 @@ class Checkpointer:
             where = f"'{bad}'" if bad else "a tensor on another rank"
             raise NonFiniteCheckpoint(f"checkpoint step {step}: {where} holds NaN or inf; not saved "
                                       f"({self.root / LATEST} stays at the last good checkpoint)")
+        state = as_tensors(state)  # the optimizer's plain values as tensors: DCP gets tensors only
         target = step_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -236,7 +237,6 @@ class Checkpointer:
                                                                           counters or {}))
                 own[MANIFEST] = write_file(target / MANIFEST, manifest_text.encode())
             writer = ChecksummingWriter(target, self.rank, own)
-            state = as_tensors(state)  # the optimizer's plain values as tensors: DCP gets tensors only
             if asynchronous:
                 # DCP's coordinator finishes only after every rank's shards are written (and their checksum
                 # files, see trainer/checkpoint/storage.py), so when rank 0's future is done the whole step is

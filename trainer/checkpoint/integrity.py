@@ -1,25 +1,28 @@
 """Checksums of a checkpoint's files: computed by the rank that wrote each file, recorded in COMMITTED.
 
     step-00000010/COMMITTED   {"step": 10, "algorithm": "xxh3_64",
-                               "files": {"__0_0.distcp": {"size": 17961, "checksum": "9c0e…"}, ".metadata": …}}
+                               "files": {"__0_0.distcp": {"size": 17961, "checksum": "9c0e…"}, "metadata.json": …}}
 
 The algorithm is xxh3_64 (the `xxhash` package): about 6.7 GB/s on one core
 here against 1.7 GB/s for zlib.crc32 and 0.9 GB/s for sha256 (bench/checkpoint.py
-prints the numbers of the machine it runs on), so hashing a shard right after
-it is written, or right before it is read, costs a fraction of the disk's own
+prints the numbers of the machine it runs on), so hashing a shard while it is
+written, or right before it is read, costs a fraction of the disk's own
 time. It detects corruption (flipped bits, truncation, a file swapped for
 another), not a forger: whoever can rewrite a shard can rewrite COMMITTED too.
-That is why no byte is ever unpickled without the restricted unpickler
-(trainer/checkpoint/safe_unpickle.py) as well. Where `xxhash` is not installed, zlib.crc32
-is used and named in the marker; a marker names its algorithm, so a reader
-uses the one it was written with.
+That is why no file of a checkpoint is a pickle and every one is read with
+bounds of its own (trainer/checkpoint/plain.py, dcp_metadata.py, storage.py),
+checksummed or not. Where `xxhash` is not installed, zlib.crc32 is used and
+named in the marker; a marker names its algorithm, so a reader uses the one
+it was written with.
 
-Each rank hashes the files it wrote (its DCP shards, rng-rank<R>.pt, and on
-rank 0 trainer.pt and manifest.yaml) while they are still in the page cache
-and leaves `.checksums-rank<R>.json` beside them; rank 0 merges those into
-COMMITTED at the commit (trainer/checkpoint/storage.py writes them, checkpointer.py
-commits). A marker of the old form (`step N`) has no checksums: `verify: full`
-refuses such a checkpoint, `verify: off` loads it.
+Each rank hashes the files it wrote (its DCP shard as it writes it,
+rng-rank<R>.safetensors, and on rank 0 trainer.json and manifest.yaml) and
+leaves `.checksums-rank<R>.json` beside them; rank 0 merges those into
+COMMITTED at the commit, with metadata.json (trainer/checkpoint/storage.py
+writes them, checkpointer.py commits). COMMITTED itself is parsed as bounded
+JSON of one shape (`read_marker`). A marker of the old form (`step N`) has no
+checksums: it belongs to a checkpoint of the format before metadata.json,
+which mantra no longer loads.
 """
 
 from __future__ import annotations
@@ -88,11 +91,36 @@ def regular_file(path: Path) -> os.stat_result:
     return st
 
 
+def open_regular(path: Path):
+    """`path` opened for reading, unbuffered, only if it is still a regular file: a symlink swapped in after
+    `regular_file` looked is not followed (O_NOFOLLOW), a FIFO does not block the open (O_NONBLOCK)."""
+    regular_file(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise IntegrityError(f"{path} cannot be opened as a regular file ({exc.strerror})") from None
+    f = os.fdopen(fd, "rb", buffering=0)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise IntegrityError(f"{path} is not a regular file (a link or special file in a checkpoint is refused)")
+    return f
+
+
+def read_at_most(path: Path, limit: int) -> bytes:
+    """The bytes of regular file `path`, if there are at most `limit` of them (it may grow while read)."""
+    data = bytearray()
+    with open_regular(path) as f:
+        while len(data) <= limit and (chunk := f.read(min(CHUNK, limit + 1 - len(data)))):
+            data += chunk
+    if len(data) > limit:
+        raise IntegrityError(f"{path} is more than the {limit} bytes allowed for it")
+    return bytes(data)
+
+
 def checksum_file(path: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
     """(size, checksum) of a file, read in chunks."""
-    regular_file(path)
     h, size = new_hasher(algorithm), 0
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -139,8 +167,7 @@ def read_marker(step_dir: Path) -> Marker:
     st = regular_file(path)
     if st.st_size > MAX_MARKER_BYTES:
         raise IntegrityError(f"{path} is {st.st_size} bytes; not a commit marker")
-    with open(path, "rb") as f:
-        data = f.read(MAX_MARKER_BYTES + 1)
+    data = read_at_most(path, MAX_MARKER_BYTES)
     if data.startswith(b"step ") and data[5:].strip().isdigit() and len(data) < 32:  # the form before checksums
         return Marker(step=int(data[5:].strip()), algorithm=None, files=None)
     try:
@@ -199,8 +226,7 @@ def read_verified(marker: Marker | None, step_dir: Path, name: str, limit: int =
     st = regular_file(path)
     if st.st_size > limit:
         raise IntegrityError(f"{path} is {st.st_size} bytes, more than the {limit} allowed for it")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+    data = read_at_most(path, limit)
     if marker is not None:
         want_size, want = expect(marker, step_dir, name)
         error = _mismatch(path, len(data), want_size, checksum_bytes(data, marker.algorithm), want, marker.algorithm)

@@ -13,7 +13,7 @@ Every JSON file and value a checkpoint holds is read through `loads`:
   - the number of values is bounded (commas, colons and brackets are counted first), so memory
     stays a small multiple of the file's own size, which the caller caps. JSON has no references:
     nothing in it can expand the way a pickle's memo can;
-  - integers are at most 20 digits, NaN and Infinity literals are refused, and nothing in the text
+  - integers are at most 20 digits, NaN, Infinity and 1e999 are refused, and nothing in the text
     names a class or a module: a value is only ever a dict, list, string, number, bool or null.
 
 Typed values. JSON cannot tell a tuple from a list, nor write inf or nan. mantra writes those tagged:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from typing import Any
 
@@ -62,6 +63,13 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: mantra writes inf as a tag, never as an overflowing literal
+        raise ValueError(f"{text[:40]} is not a finite float")
+    return value
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not written by mantra")
 
@@ -74,7 +82,8 @@ def loads(data: bytes, where: str, max_depth: int = 16, max_values: int = 1 << 2
     if values > max_values:
         raise PlainDataError(f"{where} holds about {values} values, more than the {max_values} allowed for it")
     try:
-        raw = json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_constant=_refuse_constant)
+        raw = json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                         parse_constant=_refuse_constant)
         return from_plain(raw, max_depth)
     except (ValueError, RecursionError, TypeError) as exc:
         raise PlainDataError(f"{where} is not valid JSON of mantra's ({type(exc).__name__}: {str(exc)[:200]})") from None
@@ -89,7 +98,10 @@ def to_plain(value: Any, where: str = "value") -> Any:
     """`value` with tuples and non-finite floats tagged; TypeError for anything that is not plain data."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, float):
+    if isinstance(value, numbers.Integral):  # a numpy integer: written as the int it equals
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, tuple):
         return {"__tuple__": [to_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]}

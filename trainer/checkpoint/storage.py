@@ -41,6 +41,7 @@ from trainer.checkpoint.integrity import (
     IntegrityError,
     Marker,
     new_hasher,
+    open_regular,
     read_verified,
     regular_file,
     verify_file,
@@ -124,8 +125,7 @@ class TrustedReader(dcp.StorageReader):
             if self.marker is not None and name not in self._verified:
                 verify_file(self.marker, self.step_dir, name)
                 self._verified.add(name)
-            fd = os.open(self.step_dir / name, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb", buffering=0) as f:
+            with open_regular(self.step_dir / name) as f:
                 for item in sorted(items, key=lambda it: self.storage_data[it.storage_index].offset):
                     stored = self.storage_data[item.storage_index]
                     piece = _narrow(_read_chunk(f, stored, self.step_dir / name), item.storage_offsets, item.lengths)
