@@ -159,3 +159,17 @@ def test_export_of_a_marker_of_nested_brackets_is_one_line(copy, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == (f"error: {step / 'COMMITTED'} is nested deeper than 4 levels (or unbalanced); "
                                    "not written by mantra; not a valid commit marker"), proc.stderr[-2000:]
+
+
+def test_export_of_an_alias_bomb_manifest_is_one_line_in_seconds(copy, tmp_path):
+    """A 470-byte manifest.yaml of nine levels of aliases: yaml.safe_load shares the nodes, but validating
+    the 9^9 values behind `model.dim` ran for minutes. Read with the manifest's own bounds it stops at once."""
+    manifest, root, step = copy
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    (step / "manifest.yaml").write_text("\n".join([*lines, "name: x", "model: {kind: llama, dim: *a8}"]))
+    forge_marker_entry(step, "manifest.yaml")
+    proc = mantra("export", str(root), "--to", "hf", str(tmp_path / "hf"), timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert "\n" not in line and line.startswith(f"error: {step / 'manifest.yaml'}: ") and "values" in line, line

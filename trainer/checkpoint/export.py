@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST
@@ -43,8 +42,10 @@ from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verif
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
 from trainer.checkpoint.resume import one_line
 from trainer.checkpoint.plain import PlainDataError
-from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader
+from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader, legacy_checkpoint
+from trainer.manifest.errors import ManifestError
 from trainer.manifest.schema import Manifest
+from trainer.manifest.source import MAX_BYTES as MAX_MANIFEST_BYTES, parse_source
 
 
 class ExportError(ValueError):
@@ -67,12 +68,18 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def _read_manifest(step: Path, verify: bool):
-    """(COMMITTED's marker or None, the step's manifest), checked against the marker's checksums."""
+    """(COMMITTED's marker or None, the step's manifest), checked against the marker's checksums and parsed
+    within a manifest's own bounds (size, depth, values: an alias bomb stops at once, trainer/manifest/source.py)."""
     marker = read_marker(step) if verify else None
     if marker is not None and not marker.has_checksums:
-        raise ExportError(f"{step / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
-                          "them), so it cannot be verified; export it with verification off to trust it as is")
-    return marker, Manifest.model_validate(yaml.safe_load(read_verified(marker, step, MANIFEST, limit=16 << 20)))
+        raise ExportError(str(legacy_checkpoint(step, f"{COMMITTED} records no checksums")))
+    data = read_verified(marker, step, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    try:
+        tree = parse_source(data.decode("utf-8"), str(step / MANIFEST))
+    except (ManifestError, UnicodeDecodeError) as exc:
+        why = exc.diagnostics[0].message if isinstance(exc, ManifestError) else f"not UTF-8 text ({exc})"
+        raise ExportError(f"{step / MANIFEST}: {why}") from None
+    return marker, Manifest.model_validate(tree.data)
 
 
 def read_manifest(checkpoint: Path, verify: bool = True) -> Manifest:
