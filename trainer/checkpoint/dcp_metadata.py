@@ -16,7 +16,8 @@ size, so no read is ever larger than the tensor it fills. Decoding refuses anyth
 format or byte order, an unknown key (a transform descriptor, say), a dtype outside the table below,
 sizes, offsets or counts out of range, a chunk outside its tensor, chunks that do not add up to the
 tensor, and a file name that is not a plain name in the step directory. Only public DCP classes are
-built (torch.distributed.checkpoint.metadata's `__all__`, the same on torch 2.11 and 2.13).
+built (those in torch.distributed.checkpoint.metadata's `__all__`), and only with the fields they have
+had since StorageMeta appeared (torch 2.4): no private DCP name is relied on (trainer/compat.py says why).
 """
 
 from __future__ import annotations
