@@ -19,8 +19,9 @@ be a regular file in the step directory, long enough for the chunks in it. A che
 pickled `.metadata` instead (written by mantra before it wrote its own) is refused with that reason.
 Each rank verifies the shard files its load plan reads right before reading them: the checksum pass
 streams the file into the page cache and the read that follows is served from there. A chunk is read
-as exactly its recorded length into a buffer of that size and viewed as its dtype and sizes: no
-parser, no transform, nothing larger than the tensor.
+as exactly its recorded length, straight into the tensor it fills when it fills all of it (a run
+loading its own layout), else into a buffer of that size viewed as its dtype and sizes and copied from:
+no parser, no transform, nothing larger than the tensor.
 """
 
 from __future__ import annotations
@@ -128,16 +129,37 @@ class TrustedReader(dcp.StorageReader):
             with open_regular(self.step_dir / name) as f:
                 for item in sorted(items, key=lambda it: self.storage_data[it.storage_index].offset):
                     stored = self.storage_data[item.storage_index]
-                    piece = _narrow(_read_chunk(f, stored, self.step_dir / name), item.storage_offsets, item.lengths)
                     target = planner.resolve_tensor(item).detach()
-                    if target.size() != piece.size():
-                        raise IntegrityError(f"{self.step_dir / name}: {item.storage_index.fqn} is {tuple(piece.size())} "
-                                             f"where this run needs {tuple(target.size())}")
-                    target.copy_(piece)
+                    if not _read_into(f, stored, item, target, self.step_dir / name):
+                        piece = _narrow(_read_chunk(f, stored, self.step_dir / name), item.storage_offsets, item.lengths)
+                        if target.size() != piece.size():
+                            raise IntegrityError(f"{self.step_dir / name}: {item.storage_index.fqn} is "
+                                                 f"{tuple(piece.size())} where this run needs {tuple(target.size())}")
+                        target.copy_(piece)
                     planner.commit_tensor(item, target)
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _read_exactly(f, view: memoryview, path: Path, offset: int) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(view) and (n := f.readinto(view[done:])):
+        done += n
+    if done != len(view):
+        raise IntegrityError(f"{path} is truncated (a chunk at byte {offset} is short)")
+
+
+def _read_into(f, stored: StoredChunk, item, target: torch.Tensor, path: Path) -> bool:
+    """Read a chunk straight into `target` when it fills all of it (the same layout loading its own
+    checkpoint): contiguous, on the CPU, of the chunk's dtype and sizes. Whether it did."""
+    whole = not any(item.storage_offsets) and tuple(item.lengths) == stored.sizes == tuple(target.shape)
+    if not (whole and stored.length and target.is_contiguous() and target.device.type == "cpu"
+            and target.dtype == stored.dtype):
+        return False
+    _read_exactly(f, memoryview(target.reshape(-1).view(torch.uint8).numpy()), path, stored.offset)
+    return True
 
 
 def _read_chunk(f, stored: StoredChunk, path: Path) -> torch.Tensor:
@@ -145,9 +167,7 @@ def _read_chunk(f, stored: StoredChunk, path: Path) -> torch.Tensor:
     if stored.length == 0:
         return torch.empty(stored.sizes, dtype=stored.dtype)
     buf = bytearray(stored.length)
-    f.seek(stored.offset)
-    if f.readinto(buf) != stored.length:
-        raise IntegrityError(f"{path} is truncated (a chunk at byte {stored.offset} is short)")
+    _read_exactly(f, memoryview(buf), path, stored.offset)
     return torch.frombuffer(buf, dtype=stored.dtype).reshape(stored.sizes)
 
 
