@@ -14,18 +14,16 @@ run names real text (searchable, selectable).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from launchers.runs import (find_runs, integer, is_run_dir, number, parse_row, printable, read_manifest, section,
-                           small_text)
+from launchers.runs import (SWEEP_RECORD, SweepRecordError, find_runs, integer, is_run_dir, number, parse_row,
+                           printable, read_manifest, section, sweep_runs)
 from trainer.report.meter import METRIC_KEYS
 
-SWEEP_RECORD = "sweep.json"
 PLOTTABLE = tuple(k for k in METRIC_KEYS if k != "step")
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf")  # matplotlib's tab10, so the SVG and the PNG colour runs alike
@@ -46,20 +44,6 @@ class Series:
 
 
 # ---------------------------------------------------------------------------- which runs
-
-def sweep_runs(record_dir: Path) -> list[Path]:
-    """The run directories a sweep record names (relative ones from the record's directory)."""
-    path = record_dir / SWEEP_RECORD
-    try:
-        record = json.loads(small_text(path) or "")
-        runs = [entry["dir"] for entry in record["runs"]]
-        if not all(isinstance(r, str) for r in runs):
-            raise TypeError
-    except (ValueError, TypeError, KeyError, RecursionError):
-        raise CompareError(f"{path}: not a sweep record mantra wrote (expected {{\"runs\": [{{\"dir\": ...}}]}}); "
-                           "pass the run directories themselves") from None
-    return [record_dir / r for r in runs]
-
 
 def expand(args: list[Path]) -> list[Path]:
     """RUN arguments -> run directories, in order, each once."""
@@ -286,7 +270,7 @@ def compare_runs(runs: list[Path], plot: Path | None, metrics: list[str], x: str
     """`mantra compare`: 0 done, 2 bad input (a RUN that is not one, an unknown metric, no data)."""
     try:
         return _compare(runs, plot, list(dict.fromkeys(metrics)) or ["loss"], x)
-    except CompareError as exc:
+    except (CompareError, SweepRecordError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -25,7 +25,8 @@ from trainer.manifest import Resolved, load_manifest
 from trainer.plan import Estimate, estimate
 from trainer.plan.devices import GIB, Device, choose_device
 from trainer.plan.estimate import ROWS
-from trainer.plan.model import NoPlanModel, plan_of
+from trainer.plan.kinds import plan_of
+from trainer.plan.model import NoPlanModel
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3  # 2 (bad input) is the CLI's
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.manifest import load_manifest
 from trainer.parallel.pipeline import StageLayout, simulate_ranks
-from trainer.parallel.pipeline.analysis.checks import peak_inflight
+from trainer.parallel.pipeline.analysis.inflight import peak_inflight
 from trainer.parallel.pipeline.analysis.profile import ProfileError, read_costs
 from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
 

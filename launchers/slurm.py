@@ -28,15 +28,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from launchers.compare import SWEEP_RECORD
-from launchers.runs import SLURM_RECORD
+from launchers.runs import SLURM_RECORD, SWEEP_RECORD
 from launchers.sbatch import BadRequest, python_for, run_task, sbatch_parameters, sbatch_script
-from launchers.slurm_follow import rank0_logs, wait_for
+from launchers.slurm_follow import Submitted, rank0_logs, wait_for
 from launchers.sweep import parse_sweeps
 from trainer.manifest import Diagnostic, ManifestError, Resolved, load_manifest
 
@@ -154,15 +152,6 @@ def check_one_request(runs: list[Resolved]) -> None:
 
 
 # ---------------------------------------------------------------------------- submission
-
-@dataclass
-class Submitted:
-    job_id: str  # "17", or "17_0" for an array element
-    run: Resolved
-    folder: Path  # submitit's folder: the script, pickles, logs, per-task results
-    ntasks: int
-    job: Any  # the submitit Job
-
 
 def submission_folder(base_dir: Path) -> Path:
     """A fresh folder per submission: job ids restart at 1 when Slurm's state is wiped, and a reused

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import trainer.loop as loop
+import trainer.step as step
 from launchers.rank import run_rank
 
 
 @record
 def main() -> None:
     manifest, fail_rank, fail_step = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    real_step, calls = loop.train_step, {"n": 0}
+    real_step, calls = step.train_step, {"n": 0}
 
     def failing_step(*args, **kwargs):
         calls["n"] += 1
@@ -26,7 +26,7 @@ def main() -> None:
             raise RuntimeError(f"injected failure on rank {fail_rank} at step {fail_step}")
         return real_step(*args, **kwargs)
 
-    loop.train_step = failing_step
+    step.train_step = failing_step  # what the synchronous step calls (trainer/step.py)
     run_rank(manifest)
 
 

@@ -240,6 +240,7 @@ def test_balanced_split_matches_one_process(name, big_head):
     from trainer.models import get_model_spec
     from trainer.plan.split import stage_counts
     from trainer.models.llama.pipeline import split_model
+    from trainer.parallel.pipeline.split import StageSplit
     from trainer.plan.split import layout_for
 
     tmp, runs = big_head
@@ -251,7 +252,7 @@ def test_balanced_split_matches_one_process(name, big_head):
     for rank in range(2):  # what each rank keeps of the model, as the llama's parallelize cuts it
         with torch.device("meta"):
             model = get_model_spec("llama").build(run.manifest.model)
-        split_model(model, run, rank)
+        split_model(model, StageSplit(layout, split), rank)  # the split trainer/assemble.py hands the kind
         assert sorted(int(i) for i in model.layers) == sorted(i for s in layout.stages_of(rank) for i in split[s])
     assert_same_training(runs["single"], runs[name])
 

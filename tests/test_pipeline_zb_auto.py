@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from trainer.parallel.pipeline.analysis.checks import peak_inflight, problems, validate
+from trainer.parallel.pipeline.analysis.checks import problems, validate
+from trainer.parallel.pipeline.analysis.inflight import peak_inflight
 from trainer.parallel.pipeline.schedules import build_schedule, compute_order
 from trainer.parallel.pipeline.schedules.zb_auto import choose, zb_auto
 from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks

@@ -20,7 +20,8 @@ from trainer.models.llama import config as llama_config
 from trainer.models.llama.plan import plan_model
 from trainer.plan import estimate
 from trainer.plan.flops import block_forward_flops, moe_all_to_all_bytes
-from trainer.plan.model import MoE, NoPlanModel, Param, PlanModel, plan_of
+from trainer.plan.kinds import plan_of
+from trainer.plan.model import MoE, NoPlanModel, Param, PlanModel
 from trainer.plan.shapes import local_numel, local_shape
 
 LLAMA = get_model_spec("llama")

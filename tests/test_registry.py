@@ -113,6 +113,27 @@ def test_plugin_cannot_shadow_a_builtin(monkeypatch: pytest.MonkeyPatch, caplog:
     assert any("already registered" in r.getMessage() for r in caplog.records)
 
 
+def test_builtins_are_added_on_the_first_lookup_before_any_plugin(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    builtin, impostor, extra = Spec("llama"), Spec("llama"), Spec("mamba")
+    asked = _fake_entry_points(monkeypatch, [FakeEntryPoint("llama", impostor), FakeEntryPoint("mamba", extra)])
+    calls: list[int] = []
+
+    def builtins() -> dict[str, Spec]:
+        calls.append(1)
+        return {"llama": builtin}
+
+    reg: Registry[Spec] = Registry("model kind", entry_point_group="mantra.models", item_type=Spec, builtins=builtins)
+    assert calls == [] and asked == []  # nothing loads at construction
+    with caplog.at_level(logging.WARNING, logger="trainer.registry"):
+        assert reg.get("llama") is builtin and reg.get("mamba") is extra
+    assert reg.names() == ["llama", "mamba"] and calls == [1]  # once
+    assert any("'llama'" in r.getMessage() and "already registered" in r.getMessage() for r in caplog.records)
+    local: Registry[Spec] = Registry("model kind", builtins=lambda: {"llama": builtin})  # no entry points at all
+    assert "llama" in local and local.names() == ["llama"]
+
+
 def test_listing_entry_points_failing_is_not_fatal(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

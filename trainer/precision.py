@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from trainer.manifest import Resolved
-from trainer.manifest.schema import Precision
+from trainer.manifest.choices import Precision
+from trainer.manifest.resolve import Resolved
 
 
 def uses_bf16(run: Resolved, device: torch.device) -> bool:

@@ -5,12 +5,13 @@
     @MODELS.register("llama")
     def ...
 
-Duplicate names raise; a miss suggests the nearest name. Third-party plugins
-come through `importlib.metadata` entry points and load lazily, on the first
-lookup: each entry point loads either an object (added under the entry point's
-name) or a module whose import registered itself. A plugin that fails to load,
-has the wrong type or reuses a taken name is logged and skipped, never fatal.
-Torch-free on purpose.
+Duplicate names raise; a miss suggests the nearest name. The in-tree items can
+be given as a function (`builtins`) called on the first lookup, so the registry's
+module imports none of them. Third-party plugins come through `importlib.metadata`
+entry points and load lazily, on the first lookup, after the built-ins: each entry
+point loads either an object (added under the entry point's name) or a module whose
+import registered itself. A plugin that fails to load, has the wrong type or
+reuses a taken name is logged and skipped, never fatal. Torch-free on purpose.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import difflib
 import logging
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
 
@@ -42,13 +43,15 @@ class Registry(Generic[T]):
     """Names -> objects of one kind, e.g. Registry("model kind", "mantra.models")."""
 
     def __init__(
-        self, kind: str, entry_point_group: str | None = None, *, item_type: type | None = None
+        self, kind: str, entry_point_group: str | None = None, *, item_type: type | None = None,
+        builtins: Callable[[], Mapping[str, T]] | None = None,
     ) -> None:
         self.kind = kind
         self.entry_point_group = entry_point_group
         self.item_type = item_type  # plugins whose object is not of this type are skipped
+        self.builtins = builtins  # the in-tree items, added (before any plugin) on the first lookup
         self._items: dict[str, T] = {}
-        self._plugins_loaded = entry_point_group is None
+        self._plugins_loaded = entry_point_group is None and builtins is None
 
     def add(self, name: str, obj: T) -> T:
         """Register `obj` under `name`; a name registered twice is a ValueError."""
@@ -99,10 +102,15 @@ class Registry(Generic[T]):
         return f"{message} registered: {', '.join(names) or 'none'}"
 
     def _load_plugins(self) -> None:
-        """Load every entry point of the group once; never raises."""
+        """Add the built-ins, then load every entry point of the group, once; only a built-in's name taken
+        already raises."""
         if self._plugins_loaded:
             return
         self._plugins_loaded = True  # first, so a plugin that looks itself up does not recurse
+        for name, obj in (self.builtins() if self.builtins is not None else {}).items():
+            self.add(name, obj)
+        if self.entry_point_group is None:
+            return
         try:
             found = list(entry_points(group=self.entry_point_group))
         except Exception as exc:  # a broken installed distribution must not stop training

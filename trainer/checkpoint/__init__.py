@@ -12,6 +12,7 @@
     preflight.py      is the checkpoint directory usable, found at start
     paths.py          where a checkpoint may be: step directories inside the root, never outside
     export.py         a checkpoint as a Hugging Face model directory (`mantra export --to hf`)
+    saves.py          the loop's checkpoints: the state a save holds, the cadence, the save before a stop
 
 No file of a checkpoint is ever unpickled (tests/test_checkpoint_trust.py greps this package for it).
 

@@ -1,6 +1,8 @@
 """Data: token files, the deterministic sample order, blends, the loader and its workers, evaluation.
 
     loader.py     token streams, the resumable sample order, the Loader (prefetch, workers)
+    tokens.py     token files: their dtypes, the text encoder, what a path names
+    checks.py     the data checks `mantra validate` runs (torch-free, reads no data)
     blend.py      weighted blends of several token sources (`data.sources`)
     prefetch.py   the next steps' batches read in the background (a thread, or forked workers)
     evaluate.py   validation loss over `data.valid`

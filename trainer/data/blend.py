@@ -15,7 +15,7 @@ lag by at least d, whose next sample falls due first ((c_s + 1 - d) / w_s
 smallest). Ties go to the lower source index.
 
 A source's own samples are numbered 0, 1, 2, ... as the blend reaches it; its
-epochs are counted on that number alone (data.py: each source is shuffled per
+epochs are counted on that number alone (loader.py: each source is shuffled per
 epoch of its own windows).
 
 The choice for sample g needs the counts after g samples, which only the rule

@@ -1,4 +1,5 @@
-"""Validation loss: the mean token cross-entropy over data.valid's first train.eval_batches global batches.
+"""Validation loss: the mean token loss (the model kind's `spec.loss`, cross-entropy for the built-ins) over
+data.valid's first train.eval_batches global batches.
 
     validation = build_validation(run, model, pipeline, mesh, device, autocast, dp_rank)
     validation.at(step)   # {"val_loss": ..., "val_ppl": ...} at an evaluated step, Nones otherwise
@@ -8,13 +9,13 @@ training batches: batch b is what step b would read), forward only, no
 gradient. Each microbatch holds micro_batch * seq_len tokens, so the mean of
 the microbatch means is the exact token mean; the sum is kept in float64 and
 divided once. Under dp each rank sums its share and the sums are added over
-the dp group; under tp every rank of a tp group computes the same loss
-(vocab-parallel cross-entropy); under pp the stages run each microbatch in
-turn (`pipeline_forward_losses`) and the last stage's sum is broadcast over
-the pp group; under cp each cp rank takes its slice of every sequence (as in
-training: its tokens, targets and RoPE positions), the mean over its
-seq_len/cp tokens, and the sums are added over the dp×cp group, every cp
-rank's mean being over as many tokens. So every layout reports the number one
+the dp group; under tp every rank of a tp group computes the same loss (the
+kind's loss inside the vocab-parallel context, as training takes it); under pp
+the stages run each microbatch in turn (`pipeline_forward_losses`) and the last
+stage's sum is broadcast over the pp group; under cp each cp rank takes its
+slice of every sequence (as in training: its tokens, targets and RoPE
+positions), the mean over its seq_len/cp tokens, and the sums are added over
+the dp×cp group, every cp rank's mean being over as many tokens. So every layout reports the number one
 process reports, within float round-off. Runs on every rank: it holds
 collectives.
 """
@@ -28,10 +29,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 NO_VALIDATION = {"val_loss": None, "val_ppl": None}
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # ModelSpec.loss: (logits, targets) -> mean
 
 
 def _full(loss: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,11 @@ def _full(loss: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def model_forward_losses(model: torch.nn.Module, microbatches, device: torch.device,
                          autocast: contextlib.AbstractContextManager,
-                         loss_context: Callable[[], contextlib.AbstractContextManager], cp=None) -> torch.Tensor:
-    """Sum over the microbatches of each one's mean token cross-entropy (float64, on `device`). `cp` (a
-    context.split.ContextShard): the mean over this cp rank's slice of each sequence."""
+                         loss_context: Callable[[], contextlib.AbstractContextManager], loss_fn: LossFn,
+                         cp=None) -> torch.Tensor:
+    """Sum over the microbatches of each one's mean token loss, `loss_fn(logits, targets)` inside
+    `loss_context()` (float64, on `device`). `cp` (a context.split.ContextShard): the mean over this cp
+    rank's slice of each sequence."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for inputs, targets, *documents in microbatches:  # documents: data.document_mask
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -56,7 +59,7 @@ def model_forward_losses(model: torch.nn.Module, microbatches, device: torch.dev
             else:
                 logits = model(inputs) if positions is None else model(inputs, positions)
         with loss_context():
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = loss_fn(logits, targets)
         total += _full(loss).double()
     return total
 
@@ -65,12 +68,13 @@ def model_forward_losses(model: torch.nn.Module, microbatches, device: torch.dev
 def pipeline_forward_losses(stages: Mapping[int, torch.nn.Module], rank_of: Callable[[int], int], num_stages: int,
                             group: dist.ProcessGroup, device: torch.device, act_shape: Sequence[int],
                             act_dtype: torch.dtype, microbatches, autocast: contextlib.AbstractContextManager,
-                            loss_context: Callable[[], contextlib.AbstractContextManager],
+                            loss_context: Callable[[], contextlib.AbstractContextManager], loss_fn: LossFn,
                             positions: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Forward only through pipeline stages: the sum of each microbatch's mean loss on the last stage's
-    rank, None on the others. `stages`: this rank's stage modules by index; `rank_of(stage)`: the pp rank
-    holding a stage (group ranks); `positions`: the tokens' RoPE positions under context parallel, handed
-    to every stage (the microbatches are then this cp rank's slices).
+    """Forward only through pipeline stages: the sum of each microbatch's mean loss (`loss_fn` on the last
+    stage's output) on the last stage's rank, None on the others. `stages`: this rank's stage modules by
+    index; `rank_of(stage)`: the pp rank holding a stage (group ranks); `positions`: the tokens' RoPE
+    positions under context parallel, handed to every stage (the microbatches are then this cp rank's
+    slices).
 
     Microbatch by microbatch, stage by stage in model order: every rank walks the same global order, so
     each recv meets the send just before it in that order and nothing can wait on a later step."""
@@ -96,7 +100,7 @@ def pipeline_forward_losses(stages: Mapping[int, torch.nn.Module], rank_of: Call
                 out = stages[s](inp, *extra)
             if s == num_stages - 1:
                 with loss_context():
-                    loss = F.cross_entropy(out.float().flatten(0, 1), targets.to(device, non_blocking=True).flatten())
+                    loss = loss_fn(out, targets.to(device, non_blocking=True))
                 total += _full(loss).double()
             elif s + 1 in stages:
                 h = out.to(act_dtype)
@@ -144,9 +148,11 @@ def build_validation(run, model, pipeline, mesh, device: torch.device, autocast,
     """The run's validation (a no-op one without data.valid). `cp`: this rank's context.split.ContextShard
     under context parallel (cp ranks of a dp rank read the same batches and each evaluates its slice)."""
     from trainer.data.loader import build_valid_loader
+    from trainer.models import get_model_spec
     from trainer.parallel.tensor import loss_context
 
     m = run.manifest
+    loss_fn = get_model_spec(m.model.kind).loss  # what the training step backpropagates
     loader = build_valid_loader(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, global_batch=run.batch.global_batch,
                                 micro_batch=run.batch.micro_batch, microbatches=run.batch.microbatches,
                                 dp_rank=dp_rank, dp_size=run.dp, pin_memory=pin_memory)
@@ -154,14 +160,14 @@ def build_validation(run, model, pipeline, mesh, device: torch.device, autocast,
 
     def losses(microbatches) -> torch.Tensor:
         if pipeline is None:
-            return model_forward_losses(model, microbatches, device, autocast, lambda: loss_context(tp), cp)
+            return model_forward_losses(model, microbatches, device, autocast, lambda: loss_context(tp), loss_fn, cp)
         ex = pipeline.executor
         positions = None
         if cp is not None:  # every stage gets this cp rank's slice
             microbatches, positions = cp.slice_each(microbatches)
         total = pipeline_forward_losses(pipeline.stages, ex.layout.rank_of, ex.layout.num_stages, pipeline.group,
                                         device, ex.act_shape, ex.act_dtype, microbatches, autocast,
-                                        lambda: loss_context(tp), positions)
+                                        lambda: loss_context(tp), loss_fn, positions)
         out = torch.zeros((), dtype=torch.float64, device=device) if total is None else total
         dist.broadcast(out, group=pipeline.group, group_src=pipeline.loss_rank)
         return out

@@ -5,8 +5,8 @@ C = (n_tokens - 1) // seq_len windows of seq_len + 1 tokens (stride seq_len);
 global sample g = step * global_batch + i is window perm_e[g % C], e = g // C,
 with perm_e a permutation drawn from PCG64([seed, e]). Rank r takes samples
 [r * local, (r + 1) * local) of each step, in microbatches, so any dp layout
-sees the same global batch. Torch is imported only where tensors are built:
-`check_data` serves the torch-free validator.
+sees the same global batch. Torch is imported only where tensors are built;
+the torch-free checks the validator runs are checks.py's, the token-file helpers tokens.py's.
 
 A blend (data.sources) first sends global sample g to one source and numbers it
 j within that source (trainer/data/blend.py: a pure function of the weights and g);
@@ -28,7 +28,6 @@ id inside a document's text (a NUL byte under the byte tokenizer, a literal spec
 
 from __future__ import annotations
 
-import stat
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,124 +37,15 @@ from typing import Any
 import numpy as np
 
 from trainer.data.blend import Blend
+from trainer.data.checks import check_data
 from trainer.data.corpus import CorpusError
 from trainer.data.corpus.index import index_path, read_index
-from trainer.manifest.schema import DataSection, DataSource, TokenDtype
 from trainer.data.prefetch import Prefetcher, ProcessPrefetcher
+from trainer.data.tokens import TOKEN_DTYPES, DataError, encode, resolve_path
+from trainer.manifest.choices import DataSource, TokenDtype
+from trainer.manifest.sections import DataSection
 
-BYTE_VOCAB = 256
-_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _MAX_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its max id
-
-
-class DataError(ValueError):
-    """A data problem the user can fix; the message is one line naming the file and the fix."""
-
-
-def _resolve(path: str, base_dir: str | Path | None) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
-
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def _file_problem(path: Path) -> str | None:
-    """Why `path` is no regular file ("does not exist", "is a directory", ...), or None. Found by stat
-    alone: opening a FIFO would block until something writes to it."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "does not exist"
-    except OSError as exc:
-        return f"cannot be looked at ({exc.strerror})"
-    if stat.S_ISREG(mode):
-        return None
-    return "is " + next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
-
-
-def _hf_tokenizer(path: str | Path) -> Any:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise DataError(f"tokenizer '{path}' needs the `tokenizers` package; pip install tokenizers") from exc
-    return Tokenizer.from_file(str(path))
-
-
-def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int]:
-    """Token ids of UTF-8 `data` and the tokenizer's vocab size ('byte' or a tokenizer.json path)."""
-    if str(tokenizer) == "byte":
-        return np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB
-    tok = _hf_tokenizer(tokenizer)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"text is not valid UTF-8 at byte {exc.start}; re-encode the file as UTF-8") from exc
-    ids = tok.encode(text, add_special_tokens=False).ids
-    return np.asarray(ids, dtype=np.int64), int(tok.get_vocab_size(with_added_tokens=True))
-
-
-def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
-                 base_dir: str | Path | None) -> list[tuple[str, str]]:
-    """What is wrong with the token or text file `value` named at data.`field`, found without reading it."""
-    src = DataSource(data.source)
-    path = _resolve(value, base_dir)
-    problem = _file_problem(path)
-    if problem:
-        fix = "run `mantra tokenize` or fix the path" if src is DataSource.tokens else "fix the path"
-        return [(field, f"file '{path}' {problem}; {fix}")]
-    size = path.stat().st_size
-    if src is DataSource.tokens:
-        itemsize = np.dtype(_DTYPES[TokenDtype(data.dtype).value]).itemsize
-        if size % itemsize:
-            return [("dtype" if field == "path" else field, f"file '{path}' has {size} bytes, not a multiple of "
-                     f"{itemsize}; fix data.dtype or re-run `mantra tokenize`")]
-        size //= itemsize
-    elif data.tokenizer != "byte":
-        return []  # the token count is only known after tokenizing
-    if size < seq_len + 1:
-        return [(field, f"file '{path}' holds {size} tokens, fewer than one window of seq_len + 1 = "
-                 f"{seq_len + 1}; use a longer corpus or a smaller model.seq_len")]
-    if data.document_mask and src is DataSource.tokens and (problem := _file_problem(index_path(path))):
-        return [(field, f"document index '{index_path(path)}' {problem} (data.document_mask reads the EOS id "
-                 "there); run `mantra data tokenize`, which writes it, or set document_mask: false")]
-    return []
-
-
-def check_data(
-    data: DataSection, *, seq_len: int, vocab: int, base_dir: str | Path | None = None
-) -> list[tuple[str, str]]:
-    """Cheap checks without reading the data: (field within `data`, "what; fix") pairs.
-
-    Fields: path, dtype, tokenizer, sources (the blend as a whole), sources.<i>.path, valid."""
-    errors: list[tuple[str, str]] = []
-    src = DataSource(data.source)
-    if data.document_mask and src is not DataSource.tokens:
-        errors.append(("document_mask", f"needs data.source: tokens (a file from `mantra data tokenize`, whose .idx "
-                       f"names the EOS id), got '{src.value}'; tokenize the data or set document_mask: false"))
-    if src is DataSource.synthetic:
-        if data.sources:
-            errors.append(("sources", "a blend reads files; set data.source to tokens or text, or remove data.sources"))
-        if data.valid:
-            errors.append(("valid", "validation reads a file; set data.source to tokens or text, or remove data.valid"))
-        return errors
-    if src is DataSource.text and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
-        errors.append(("tokenizer", f"byte-level text needs model.vocab >= 256, got {vocab}; raise model.vocab"))
-    if src is DataSource.text and data.tokenizer != "byte" and (problem := _file_problem(_resolve(data.tokenizer, base_dir))):
-        errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
-    if data.sources and data.path:
-        return errors + [("sources", "set data.path (one file) or data.sources (a blend), not both; remove one")]
-    if not data.sources and not data.path:
-        what = "a .bin of token ids" if src is DataSource.tokens else "a text file"
-        return errors + [("path", f"source '{src.value}' needs a path; set data.path to {what}, "
-                          "or list files to blend in data.sources")]
-    files = [(f"sources.{i}.path", s.path) for i, s in enumerate(data.sources)] if data.sources else [("path", data.path)]
-    if data.valid:
-        files.append(("valid", data.valid))
-    for field, value in files:
-        errors += _file_errors(value, field, data, seq_len=seq_len, base_dir=base_dir)
-    return errors
 
 
 class TokenStream:
@@ -190,11 +80,11 @@ class TokenStream:
 
 def _open_file(value: str, field: str, data: DataSection, *, seq_len: int, vocab: int, seed: int,
                base_dir: str | Path | None) -> TokenStream:
-    path = _resolve(value, base_dir)
+    path = resolve_path(value, base_dir)
     if DataSource(data.source) is DataSource.tokens:
-        tokens: np.ndarray = np.memmap(path, dtype=_DTYPES[TokenDtype(data.dtype).value], mode="r")
+        tokens: np.ndarray = np.memmap(path, dtype=TOKEN_DTYPES[TokenDtype(data.dtype).value], mode="r")
     else:
-        tokens, _ = encode(path.read_bytes(), _resolve(data.tokenizer, base_dir) if data.tokenizer != "byte" else "byte")
+        tokens, _ = encode(path.read_bytes(), resolve_path(data.tokenizer, base_dir) if data.tokenizer != "byte" else "byte")
         if tokens.size < seq_len + 1:
             raise DataError(f"data.{field}: file '{path}' holds {tokens.size} tokens, fewer than one window of "
                             f"seq_len + 1 = {seq_len + 1}; use a longer corpus or a smaller model.seq_len")

@@ -8,7 +8,7 @@ worker processes for decode-heavy sources (data.workers).
 The thread runs make(step), make(step + 1), ... into a queue of `depth` results
 and blocks while the queue is full, so at most `depth` steps sit read ahead. A
 different step than the next one in line (a resume, a rewind) starts the thread
-over from that step. Data order is a pure function of the step (data.py), so
+over from that step. Data order is a pure function of the step (loader.py), so
 what is read ahead is exactly what a synchronous read would give.
 
 Failure is never a hang: an exception in make(step) is handed over in place of

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.manifest.schema import LauncherKind, Manifest, Sharding
+from trainer.manifest.choices import LauncherKind, Sharding
 from trainer.manifest.layout import Layout
+from trainer.manifest.sections import ManifestSections
 
 
 class Unresolvable(ValueError):
@@ -38,7 +39,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class Resolved:
-    manifest: Manifest
+    manifest: ManifestSections  # a schema.Manifest of the run's model kind
     source: str  # the manifest path (or "<overrides>") it came from
     world_size: int
     dp_replicate: int
@@ -71,17 +72,17 @@ class Resolved:
         return Path(self.manifest.checkpoint.dir) if self.manifest.checkpoint.dir else self.run_dir / "ckpt"
 
 
-def world_size(m: Manifest) -> int:
+def world_size(m: ManifestSections) -> int:
     if m.launcher.kind == LauncherKind.slurm:
         return m.launcher.slurm.nodes * m.launcher.slurm.gpus_per_node
     return m.launcher.nproc
 
 
-def world_field(m: Manifest) -> str:
+def world_field(m: ManifestSections) -> str:
     return "launcher.slurm.nodes" if m.launcher.kind == LauncherKind.slurm else "launcher.nproc"
 
 
-def derive_dp(m: Manifest) -> tuple[int, int]:
+def derive_dp(m: ManifestSections) -> tuple[int, int]:
     """(dp_replicate, dp_shard): an inferred (-1) degree takes what the world size leaves."""
     p = m.parallel
     world = world_size(m)
@@ -114,7 +115,7 @@ def derive_dp(m: Manifest) -> tuple[int, int]:
     return replicate, shard
 
 
-def derive_batch(m: Manifest, dp: int) -> Batch:
+def derive_batch(m: ManifestSections, dp: int) -> Batch:
     g, mb = m.train.global_batch, m.train.micro_batch
     n = m.parallel.microbatches
     given = sum(x is not None for x in (g, mb, n))
@@ -148,11 +149,11 @@ def derive_batch(m: Manifest, dp: int) -> Batch:
     return Batch(g, mb, n)
 
 
-def run_dir(m: Manifest) -> Path:
+def run_dir(m: ManifestSections) -> Path:
     return Path(m.logging.dir) if m.logging.dir else Path("runs") / m.name
 
 
-def resolve(m: Manifest, source: str) -> Resolved:
+def resolve(m: ManifestSections, source: str) -> Resolved:
     """Derive everything; raises Unresolvable on arithmetic that does not add up."""
     dp_replicate, dp_shard = derive_dp(m)
     batch = derive_batch(m, dp_replicate * dp_shard)

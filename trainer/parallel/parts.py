@@ -1,6 +1,6 @@
 """What a model kind's parallelize hands the mechanics: the model as this rank holds it, and its pipeline parts.
 
-    parts = spec.parallelize(model, run, mesh, device)   # a ModelParts
+    parts = spec.parallelize(model, run, mesh, device, split)   # a ModelParts (split: the pp stage split)
     sync = build_grad_sync(parts, run, mesh, device)    # reducer scopes per stage; zero3's FSDP roots
     pipeline = Pipeline(parts, sync, run, mesh, device) # runs parts.stages; parts.tie sums a tied weight
 

@@ -181,7 +181,7 @@ def working_set(m: PlanModel, micro_batch: int, recompute: str, p: Precision, tp
 def logits_bytes(m: PlanModel, micro_batch: int, tp: int, holds_logits: bool = True) -> dict[str, float]:
     """Bytes of the logits region on the rank holding the head, for one microbatch (V/t per rank under tp).
 
-    The loop (trainer/loop.py `train_step`, `del logits` once the loss is taken) and the pipeline runtime
+    The step (trainer/step.py `train_step`, `del logits` once the loss is taken) and the pipeline runtime
     keep only what the loss saved; `holds_logits` is a step that keeps the fp32 logits through its
     backward as well (the loop did until the logits were deleted; measured: 4·b·s·V/t more at the peak).
     With x = 4·b·s·V/t (one fp32 tensor of logits):

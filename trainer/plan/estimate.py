@@ -23,9 +23,10 @@ from trainer.plan import memory
 from trainer.plan.model_states import states
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
-from trainer.plan.model import PlanModel, plan_of
+from trainer.plan.kinds import plan_of
+from trainer.plan.model import PlanModel
 from trainer.plan.shapes import local_numel, plan_buckets, rank_layers, stage_ranks
-from trainer.plan.schedule import schedule_options
+from trainer.plan.split import schedule_options
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "buffers")
 IMBALANCE_HINT = 1.05  # slowest pipeline rank / mean above which plan shows what stage_layers: balanced gives

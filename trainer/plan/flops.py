@@ -155,7 +155,7 @@ class Shape:
     rematerialized: float = 0.0  # selective recompute: activation bytes one block rebuilds per microbatch
     stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
     stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
-    schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/schedule.py: schedule_options)
+    schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/split.py: schedule_options)
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
     cp_kind: str = "ulysses"
     ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back

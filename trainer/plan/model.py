@@ -2,14 +2,15 @@
 
     spec = get_model_spec(cfg.kind)
     pm = spec.plan(cfg)                 # a PlanModel: the kind's parameters and the planner's coefficients
-    pm = plan_of(cfg)                   # the same, cached per config (`plan --search` asks thousands of times)
+    pm = plan_of(cfg)                   # the same, cached per config (trainer/plan/kinds.py)
     pm.total_params, pm.active_params   # an MoE's top-k experts are what a token uses
     pm.expert_params_per_rank(ep=4)     # routed experts sharded over expert parallel
 
 Every module of trainer/plan/ reads a PlanModel, never a kind's config beyond the fields every `model:`
 section has (kind, vocab, seq_len, layers). A kind brings one by setting `ModelSpec.plan`
 (trainer/models/llama/plan.py is the reference); a kind without one (`plan=None`) validates and trains,
-and `mantra plan` says it cannot plan it (NoPlanModel).
+and `mantra plan` says it cannot plan it (NoPlanModel). This module asks no registry: the kinds import
+it to describe themselves, and trainer/plan/kinds.py looks a kind's PlanModel up.
 
 The formulas of activations.py, flops.py and memory.py are a Llama block's (RMSNorm, attention with
 GQA and RoPE, a SwiGLU-shaped MLP, no biases); a kind whose block differs fills the same coefficients
@@ -21,11 +22,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trainer.manifest.schema import ModelSection
-
 
 @dataclass(frozen=True)
 class Param:
@@ -211,18 +207,3 @@ def _with_seq_len(m: PlanModel, seq_len: int) -> PlanModel:
 
 class NoPlanModel(ValueError):
     """The manifest's model kind has no plan model (its ModelSpec.plan is None)."""
-
-
-@functools.lru_cache(maxsize=64)  # `--search` builds the same model for every layout it tries
-def plan_of(cfg: ModelSection) -> PlanModel:
-    """The PlanModel of a `model:` section, from its kind's spec (NoPlanModel when the kind has none)."""
-    from trainer.models import get_model_spec
-
-    spec = get_model_spec(cfg.kind)
-    if spec.plan is None:
-        raise NoPlanModel(f"model kind '{cfg.kind}' has no plan model (its ModelSpec.plan is None), so `mantra plan` "
-                          "cannot predict its memory or step time; `mantra validate` and training still work")
-    model = spec.plan(cfg)
-    if not isinstance(model, PlanModel):
-        raise TypeError(f"model kind '{cfg.kind}': ModelSpec.plan returned {type(model).__name__}, not a PlanModel")
-    return model

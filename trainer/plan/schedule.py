@@ -1,7 +1,8 @@
 """The pipeline schedules as plan reads them: compute-only action lists, cached (torch-free).
 
 `mantra plan --search` looks at hundreds of layouts; each schedule shape is generated once.
-The lists are trainer.parallel.pipeline's own (the runtime and the timeline read the same).
+The lists are trainer.parallel.pipeline's own (the runtime and the timeline read the same); what a
+run's schedule takes beyond its shape (zb-auto's costs) is trainer/plan/split.py's `schedule_options`.
 """
 
 from __future__ import annotations
@@ -20,34 +21,6 @@ Options = tuple[tuple[str, object], ...]  # a schedule's keyword options, hashab
 def lists(name: str, pp: int, microbatches: int, virtual_stages: int, options: Options = ()) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, the compute actions (F, B, W, BW) in the order they run."""
     return tuple(tuple(r) for r in compute_order(name, pp, microbatches, virtual_stages, **dict(options)))
-
-
-def schedule_options(run) -> Options:
-    """What the run's schedule takes beyond its shape; the runtime and plan pass the same, so both hold the
-    same lists. zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
-    the last; no communication: device-free, so every machine generates the same schedule) and
-    parallel.max_inflight (default pp); parallel.schedule_costs instead of the FLOP model where given."""
-    from trainer.plan.split import stage_counts
-    from trainer.parallel.pipeline.schedules import SCHEDULES
-    from trainer.plan.flops import block_pass_flops, head_pass_flops
-    from trainer.plan.model import plan_of
-
-    p = run.manifest.parallel
-    if p.pp == 1 or not SCHEDULES.get(p.schedule.value).options:
-        return ()
-    limit = ("max_inflight", p.max_inflight or p.pp)
-    if p.schedule_costs is not None:  # measured (`mantra plan --profile RUN_DIR`)
-        c = p.schedule_costs
-        return (("costs", Costs(tuple(c.f), tuple(c.b), tuple(c.w), c.comm)), limit)
-    counts = stage_counts(run)
-    pm = plan_of(run.manifest.model)
-    blk = block_pass_flops(pm, run.manifest.train.activation_checkpointing.value, True)
-    head, last = head_pass_flops(pm), len(counts) - 1
-    per = [tuple(float(n * getattr(blk, k) + (getattr(head, k) if s == last else 0.0)) for s, n in enumerate(counts))
-           for k in ("f", "b", "w")]
-    scale = max(per[0]) or 1.0  # relative costs: the slowest forward is 1
-    costs = Costs(*(tuple(x / scale for x in k) for k in per), comm=0.0)
-    return (("costs", costs), limit)
 
 
 def layout(name: str, pp: int, virtual_stages: int) -> StageLayout:

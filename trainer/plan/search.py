@@ -35,7 +35,8 @@ from trainer.manifest.validate import validate_schema
 from trainer.plan.split import stage_counts
 from trainer.plan.devices import Device, get_device, usable_bytes
 from trainer.plan.estimate import Estimate, estimate, fits_memory
-from trainer.plan.model import PlanModel, plan_of
+from trainer.plan.kinds import plan_of
+from trainer.plan.model import PlanModel
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
 RECOMPUTE = ("none", "selective", "full")

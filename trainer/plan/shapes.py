@@ -1,6 +1,6 @@
 """How each parallel layout cuts a model's parameters (torch-free).
 
-    params = plan_of(cfg).params                    # trainer/plan/model.py: the kind's Params, registration order
+    params = plan_of(cfg).params                    # trainer/plan/kinds.py: the kind's Params, registration order
     local_numel(p, tp=2)                            # what one tensor-parallel rank holds (ep=: expert parallel too)
     plan_buckets([...], bucket_elems, shards)       # trainer.parallel.data.buckets' packing, same arithmetic
 

@@ -1,12 +1,16 @@
-"""The run's pipeline split: where each virtual stage sits and which layers it runs (torch-free).
+"""The run's pipeline split: where each virtual stage sits and which layers it runs (torch-free), and what
+its schedule is generated from.
 
     layout, split = layout_for(run)    # StageLayout of the schedule, layers of each virtual stage
     stage_counts(run)                  # uniform (stage_layers: null), as listed, or balanced
+    schedule_options(run)              # zb-auto's stage costs and in-flight bound
 
 The one answer the runtime, `mantra dry-run` and `mantra plan` all read, so the three show the same
-split. `balanced` weighs each chunk with the plan's FLOP model (flops.py, over the kind's PlanModel) and
-hands the counts to the model-free algorithm in trainer/parallel/pipeline/analysis/balance.py (its docstring
-explains the choice); a kind without a PlanModel runs uniform or listed splits only.
+split and the same schedule. The runtime takes it in trainer/assemble.py, which hands the split to the
+model kind's parallelize (a StageSplit): no kind imports this module. `balanced` weighs each chunk with
+the plan's FLOP model (flops.py, over the kind's PlanModel) and hands the counts to the model-free
+algorithm in trainer/parallel/pipeline/analysis/balance.py (its docstring explains the choice); a kind
+without a PlanModel runs uniform or listed splits only.
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ from typing import TYPE_CHECKING
 from trainer.parallel.pipeline.analysis.balance import BALANCED, ChunkCosts, balance, uniform
 from trainer.parallel.pipeline.split import stage_layers
 from trainer.parallel.pipeline.stages import StageLayout
+from trainer.plan.schedule import Options
 
 if TYPE_CHECKING:
     from trainer.manifest import Resolved
-    from trainer.manifest.schema import ModelSection, ParallelSection
+    from trainer.manifest.sections import ModelSection, ParallelSection
 
 
 def costs_for(cfg: ModelSection, recompute: str = "none", split_backward: bool = False) -> ChunkCosts:
     """The plan's FLOP model (trainer/plan/flops.py) for one token, forward + backward (module docstring),
     over the kind's PlanModel (trainer/plan/model.py; NoPlanModel for a kind without one)."""
     from trainer.plan.flops import block_pass_flops, head_pass_flops
-    from trainer.plan.model import plan_of
+    from trainer.plan.kinds import plan_of
 
     pm = plan_of(cfg)
     block = block_pass_flops(pm, recompute, split_backward).total
@@ -42,7 +47,7 @@ def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: M
     from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
     from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks
     from trainer.plan.flops import block_pass_flops, head_pass_flops
-    from trainer.plan.model import plan_of
+    from trainer.plan.kinds import plan_of
 
     pm = plan_of(cfg)
     blk, head = block_pass_flops(pm, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(pm)
@@ -94,11 +99,37 @@ def stage_counts(run: Resolved) -> tuple[int, ...]:
     return uniform(cfg.layers, p.pp * p.virtual_stages)
 
 
-def layout_for(run) -> tuple[StageLayout, list[list[int]]]:
+def layout_for(run: Resolved) -> tuple[StageLayout, list[list[int]]]:
     """The stage placement of the manifest's schedule and the layers of each virtual stage: uniform,
     `parallel.stage_layers` as listed, or balanced (stage_counts, which dry-run and plan read too)."""
-
     layout = layout_of(run.manifest.parallel)
     return layout, stage_layers(run.manifest.model.layers, layout.num_stages, stage_counts(run))
 
 
+def schedule_options(run: Resolved, counts: Sequence[int] | None = None) -> Options:
+    """What the run's schedule takes beyond its shape; the runtime and plan pass the same, so both hold the
+    same lists. `counts`: the layers of each virtual stage when the caller has the split already (the runtime
+    computes it once, trainer/assemble.py), else stage_counts(run). zb-auto: the stage costs from the FLOP model (F, B, W of each stage's blocks, the head on
+    the last; no communication: device-free, so every machine generates the same schedule) and
+    parallel.max_inflight (default pp); parallel.schedule_costs instead of the FLOP model where given."""
+    from trainer.parallel.pipeline import Costs
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+    from trainer.plan.flops import block_pass_flops, head_pass_flops
+    from trainer.plan.kinds import plan_of
+
+    p = run.manifest.parallel
+    if p.pp == 1 or not SCHEDULES.get(p.schedule.value).options:
+        return ()
+    limit = ("max_inflight", p.max_inflight or p.pp)
+    if p.schedule_costs is not None:  # measured (`mantra plan --profile RUN_DIR`)
+        c = p.schedule_costs
+        return (("costs", Costs(tuple(c.f), tuple(c.b), tuple(c.w), c.comm)), limit)
+    counts = stage_counts(run) if counts is None else counts
+    pm = plan_of(run.manifest.model)
+    blk = block_pass_flops(pm, run.manifest.train.activation_checkpointing.value, True)
+    head, last = head_pass_flops(pm), len(counts) - 1
+    per = [tuple(float(n * getattr(blk, k) + (getattr(head, k) if s == last else 0.0)) for s, n in enumerate(counts))
+           for k in ("f", "b", "w")]
+    scale = max(per[0]) or 1.0  # relative costs: the slowest forward is 1
+    costs = Costs(*(tuple(x / scale for x in k) for k in per), comm=0.0)
+    return (("costs", costs), limit)

@@ -3,9 +3,12 @@
 LayerNorm with biases, learned positions, GELU (tanh) MLP of `mlp_ratio`·dim, multi-head attention, the
 head tied to the token embedding: GPT-2's block, so `mantra export --to hf` writes a GPT2LMHeadModel.
 It runs on one rank, data parallel (none / zero1 / zero2) and pipeline parallel; the test installs it
-from a temporary directory through the `mantra.models` entry point (tests/test_model_plugin.py).
+from a temporary directory through the `mantra.models` entry point (tests/test_model_plugin.py). It declares
+fewer capabilities than the built-ins (no document mask, context parallel, compile, activation checkpointing
+or expert parallel), so `mantra validate` refuses those settings for it (tests/test_model_capabilities.py).
 
-Torch-free at import, as mantra validate needs: the modules come from .model when a model is built.
+Torch-free at import, as mantra validate needs: the modules come from .model when a model is built
+(`lazy`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from trainer.manifest.schema import MAX_DIM, MAX_HEADS, ModelSection
-from trainer.models import HFMapping, ModelSpec, PipelineSpec
+from trainer.manifest.sections import MAX_DIM, MAX_HEADS, ModelSection
+from trainer.models import Capabilities, HFMapping, ModelSpec, PipelineSpec, lazy
 from trainer.plan.model import Param, PlanModel
 
 
@@ -34,8 +37,8 @@ def check(cfg: TinyGPTConfig) -> list[tuple[str, str]]:
 
 
 def check_parallel(cfg: TinyGPTConfig, p) -> list[tuple[str, str]]:
-    out = [(f"parallel.{name}", f"tinygpt runs data and pipeline parallel only; set {name}: 1")
-           for name in ("tp", "cp", "ep") if getattr(p, name, 1) > 1]
+    """What its Capabilities cannot say: no tensor parallel, no zero3 (context and expert parallel: Capabilities)."""
+    out = [("parallel.tp", "tinygpt runs data and pipeline parallel only; set tp: 1")] if p.tp > 1 else []
     if p.optimizer_sharding.value == "zero3":
         out.append(("parallel.optimizer_sharding", "tinygpt has no zero3; use none, zero1 or zero2"))
     return out
@@ -100,38 +103,19 @@ def to_hf(state, cfg: TinyGPTConfig) -> dict:
     return out
 
 
-def build(cfg: TinyGPTConfig):
-    from tinygpt_kind.model import TinyGPT
-
-    return TinyGPT(cfg)
-
-
-def init_weights(model, seed: int) -> None:
-    from tinygpt_kind.model import init_weights as init
-
-    init(model, seed)
-
-
-def parallelize(model, run, mesh, device):
-    from tinygpt_kind.model import parallelize as apply
-
-    return apply(model, run, mesh, device)
-
-
-def keep_stages(model, layout, pp_rank: int, split) -> None:
-    from tinygpt_kind.model import keep_stages as keep
-
-    keep(model, layout, pp_rank, split)
-
-
 def activation_shape(cfg: TinyGPTConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool):
     return (micro_batch, seq_len, cfg.dim)
 
 
 SPEC = ModelSpec(
     name="tinygpt", description="GPT-2-shaped decoder (test plugin)", config=TinyGPTConfig, check=check,
-    check_parallel=check_parallel, build=build, init_weights=init_weights, num_params=num_params,
-    num_embedding_params=num_embedding_params, flops_per_token=flops_per_token, parallelize=parallelize,
-    pipeline=PipelineSpec(keep_stages=keep_stages, activation_shape=activation_shape), plan=plan,
-    hf=HFMapping(config=hf_config, to_hf=to_hf),
+    check_parallel=check_parallel, build=lazy("tinygpt_kind.model:TinyGPT"),
+    init_weights=lazy("tinygpt_kind.model:init_weights"), num_params=num_params,
+    num_embedding_params=num_embedding_params, flops_per_token=flops_per_token,
+    parallelize=lazy("tinygpt_kind.model:parallelize"),
+    pipeline=PipelineSpec(keep_stages=lazy("tinygpt_kind.model:keep_stages"), activation_shape=activation_shape),
+    plan=plan, hf=HFMapping(config=hf_config, to_hf=to_hf),
+    # plain: its forward takes no documents=, its parallelize applies no cp, compile, recompute or ep
+    capabilities=Capabilities(),
 )
+

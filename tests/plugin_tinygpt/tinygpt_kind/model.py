@@ -1,16 +1,16 @@
 """tinygpt's modules, seeded init and pipeline cut (see __init__.py). Uses mantra's public mechanics only:
-trainer.parallel.parts.ModelParts, trainer.plan.split.layout_for, trainer.parallel.pipeline.tied.build_tie."""
+trainer.parallel.parts.ModelParts, the StageSplit its parallelize is handed, trainer.parallel.pipeline.tied.build_tie,
+trainer.models.seeded_init."""
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.parallel.names import canonical_name
+from trainer.models.seeded_init import ONES, ZEROS, init_params
 from trainer.parallel.parts import ModelParts
+from trainer.parallel.pipeline.split import StageSplit
 
 
 class Attention(nn.Module):
@@ -76,18 +76,16 @@ class Stage(nn.Module):
         return (self.ln_f(h) @ self.wte.weight.t()).float() if self.is_last else h
 
 
-@torch.no_grad()
+def _fill(fqn: str, module: nn.Module) -> float | str:
+    if fqn.endswith("bias"):
+        return ZEROS
+    return ONES if ".ln_" in fqn or fqn.startswith("ln_f") else 0.02
+
+
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Each parameter drawn from a generator seeded by its canonical FQN: equal on every layout."""
-    for name, param in model.named_parameters():
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{canonical_name(name)}".encode()))
-        if name.endswith("bias"):
-            full = torch.zeros(param.shape)
-        elif ".ln_" in name or name.startswith("ln_f"):
-            full = torch.ones(param.shape)
-        else:
-            full = torch.empty(param.shape).normal_(0.0, 0.02, generator=gen)
-        param.copy_(full)
+    """Each parameter drawn from a generator seeded by its canonical FQN (mantra's seeded init): equal on
+    every layout. Biases zeros, LayerNorm weights ones, the rest normal(0, 0.02)."""
+    init_params(model, seed, _fill)
 
 
 def keep_stages(model: TinyGPT, layout, pp_rank: int, split) -> None:
@@ -104,14 +102,12 @@ def keep_stages(model: TinyGPT, layout, pp_rank: int, split) -> None:
         model.ln_f = None
 
 
-def parallelize(model: TinyGPT, run, mesh, device) -> ModelParts:
-    if run.manifest.parallel.pp == 1:
+def parallelize(model: TinyGPT, run, mesh, device, split: StageSplit | None) -> ModelParts:
+    if split is None:  # no pipeline
         return ModelParts(model)
     from trainer.parallel.pipeline.tied import build_tie
-    from trainer.plan.split import layout_for
 
-    layout, split = layout_for(run)
-    pp_rank = mesh["pp"].get_local_rank()
-    keep_stages(model, layout, pp_rank, split)
-    stages = {s: Stage(model, s, split[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
+    layout, pp_rank = split.layout, mesh["pp"].get_local_rank()
+    keep_stages(model, layout, pp_rank, split.layers)
+    stages = {s: Stage(model, s, split.layers[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
     return ModelParts(model, stages, build_tie(model.wte, layout, pp_rank, run.layout))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from trainer.manifest.schema import (
+from trainer.manifest.sections import (
     MAX_DIM,
     MAX_FFN_DIM,
     MAX_HEADS,
@@ -16,7 +16,7 @@ from trainer.manifest.schema import (
 )
 
 if TYPE_CHECKING:
-    from trainer.manifest.schema import ParallelSection
+    from trainer.manifest.sections import ParallelSection
 
 
 class LlamaConfig(ModelSection):

@@ -16,14 +16,14 @@ the seeded init of what remains.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.llama.config import LlamaConfig
-from trainer.models import canonical_name
+from trainer.models.seeded_init import ONES, Fill, init_params
+from trainer.models.seeded_init import copy_full as _copy_full, param_seed  # noqa: F401  imported from here by tests
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # cp cores take no mask (rules.py)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # cp cores take no mask (manifest/rules/data.py)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -213,47 +213,25 @@ def build(cfg: LlamaConfig) -> Transformer:
     return Transformer(cfg)
 
 
-def param_seed(seed: int, fqn: str) -> int:
-    """A stable per-parameter seed: crc32 of "seed:FQN" (never Python's salted hash()).
-
-    32 bits on purpose: the CPU generator (mt19937) ignores the high 32 bits of a seed.
-    """
-    return zlib.crc32(f"{seed}:{canonical_name(fqn)}".encode())
+OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
-@torch.no_grad()
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter, taking this rank's shard when it is a DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def decoder_fill(cfg: LlamaConfig, outputs: tuple[str, ...] = OUTPUT_PROJECTIONS) -> Fill:
+    """The decoder's init rule: ones for norms, normal(0, 0.02) for embeddings and linears, and for the
+    output projections (FQNs ending in `outputs`) normal(0, 0.02 / sqrt(2 * layers)) (GPT-2)."""
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
 
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full)
+    def fill(fqn: str, module: nn.Module) -> float | str:
+        if isinstance(module, RMSNorm):
+            return ONES
+        return out_std if fqn.endswith(outputs) else std
+
+    return fill
 
 
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Seeded init, identical on any device, rank count or sharding.
-
-    Each parameter is drawn on a full fp32 CPU tensor from its own generator,
-    seeded by (seed, FQN), then copied (or its shard copied) in: normal(0, 0.02)
-    for embeddings and linears, output projections wo and w2 scaled by
-    1/sqrt(2 * layers) (GPT-2), ones for norms. Blocks a pipeline split removed
-    are simply absent; the rest get the same values as in the whole model.
-    """
-    cfg: LlamaConfig = model.cfg
-    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            fqn = f"{module_name}.{param_name}" if module_name else param_name
-            shape = tuple(param.shape)  # a DTensor reports its global shape
-            if isinstance(module, RMSNorm):
-                full = torch.ones(shape, dtype=torch.float32, device="cpu")
-            else:
-                is_out = fqn.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
-                generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
-                full = torch.empty(shape, dtype=torch.float32, device="cpu")
-                full.normal_(0.0, out_std if is_out else std, generator=generator)
-            _copy_full(param, full)
+    """Seeded init, identical on any device, rank count or sharding (trainer/models/seeded_init.py):
+    decoder_fill's rule, then the RoPE tables. Blocks a pipeline split removed are simply absent; the rest
+    get the same values as in the whole model."""
+    init_params(model, seed, decoder_fill(model.cfg))
     model.init_buffers()

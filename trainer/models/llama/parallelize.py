@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from trainer.manifest.schema import Sharding
+from trainer.manifest.choices import Sharding
 from trainer.models.llama.model import TiedHead
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.parts import ModelParts
@@ -29,10 +29,13 @@ from trainer.parallel.tensor import apply_tensor_parallel
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from trainer.manifest import Resolved
+    from trainer.manifest.resolve import Resolved
+    from trainer.parallel.pipeline.split import StageSplit
 
 
-def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | None, device: torch.device) -> ModelParts:
+def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | None, device: torch.device,
+                      split: StageSplit | None) -> ModelParts:
+    """`split`: pp > 1, the run's stage split (which layers this rank's stages run); None otherwise."""
     p, train = run.manifest.parallel, run.manifest.train
     if p.tp > 1:
         apply_llama_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
@@ -41,7 +44,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     if p.pp > 1:  # keep only this rank's stages; FQNs (and so the seeded init) stay the whole model's
         from trainer.models.llama.pipeline import split_model
 
-        split_model(model, run, mesh["pp"].get_local_rank())
+        split_model(model, split, mesh["pp"].get_local_rank())
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
     if train.compile:
         apply_compile(model.layers)
@@ -49,7 +52,7 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
     if p.pp > 1:  # the stage modules the pipeline calls (over the wrapped blocks; FSDP roots under zero3)
         from trainer.models.llama.pipeline import build_stages
 
-        parts = build_stages(model, run, mesh["pp"].get_local_rank())
+        parts = build_stages(model, run, split, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:
         from trainer.parallel.data.fsdp import apply_fsdp
         from trainer.precision import compute_dtype, reduce_dtype

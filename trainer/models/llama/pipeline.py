@@ -11,21 +11,26 @@ parameters of the whole model.
                        embedding too, trainer/parallel/pipeline/tied.py)
 
 Blocks are called as `block(h, cos, sin)`; under context parallel every stage takes the cp slice's
-RoPE positions as a second argument (see StageModule.forward). Which layers each stage runs comes from
-trainer/parallel/pipeline/split.py (uniform, listed or balanced).
+RoPE positions as a second argument (see StageModule.forward). Which layers each stage runs is the run's
+StageSplit (trainer/parallel/pipeline/split.py: uniform, listed or balanced), which trainer/assemble.py
+computes and hands to the kind's parallelize.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from trainer.models.llama.model import TiedHead, rope_at
 from trainer.parallel.parts import ModelParts
-from trainer.plan.split import layout_for
+from trainer.parallel.pipeline.split import StageSplit
 from trainer.parallel.pipeline.stages import StageLayout
+
+if TYPE_CHECKING:
+    from trainer.manifest.resolve import Resolved
 
 
 def keep_stages(model: nn.Module, layout: StageLayout, pp_rank: int, split: list[list[int]]) -> None:
@@ -81,19 +86,18 @@ class StageModule(nn.Module):
         return self.output(h).float()
 
 
-def split_model(model: nn.Module, run, pp_rank: int) -> None:
-    """Keep only what pipeline rank `pp_rank` runs (call on the meta device, before init)."""
-    layout, split = layout_for(run)
-    keep_stages(model, layout, pp_rank, split)
+def split_model(model: nn.Module, split: StageSplit, pp_rank: int) -> None:
+    """Keep only what pipeline rank `pp_rank` runs of the run's `split` (call on the meta device, before init)."""
+    keep_stages(model, split.layout, pp_rank, split.layers)
 
 
-def build_stages(model: nn.Module, run, pp_rank: int) -> ModelParts:
-    """The model with rank `pp_rank`'s stage modules (not submodules of the model, so FQNs do not change)
-    and its tied weight's copies, if any. Call after activation checkpointing and compile have wrapped the
-    blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
+def build_stages(model: nn.Module, run: Resolved, split: StageSplit, pp_rank: int) -> ModelParts:
+    """The model with rank `pp_rank`'s stage modules of `split` (not submodules of the model, so FQNs do not
+    change) and its tied weight's copies, if any. Call after activation checkpointing and compile have
+    wrapped the blocks, and before FSDP: with zero3 each stage module is an FSDP root (fsdp.py)."""
     from trainer.parallel.pipeline.tied import build_tie
 
-    layout, split = layout_for(run)
-    stages = {s: StageModule(model, s, split[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
+    layout = split.layout
+    stages = {s: StageModule(model, s, split.layers[s], layout.num_stages) for s in layout.stages_of(pp_rank)}
     tie = build_tie(model.tok_embeddings, layout, pp_rank, run.layout) if run.manifest.model.tie_embeddings else None
     return ModelParts(model, stages, tie)

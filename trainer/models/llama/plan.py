@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from trainer.plan.model import Param, PlanModel
 
 if TYPE_CHECKING:
-    from trainer.manifest.schema import ModelSection
+    from trainer.manifest.sections import ModelSection
 
 
 def llama_params(cfg: ModelSection) -> list[Param]:

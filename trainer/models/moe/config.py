@@ -35,12 +35,16 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from trainer.manifest.schema import MAX_FFN_DIM, NonNegativeInt, PositiveFloat, PositiveInt, Section
+from trainer.manifest.sections import MAX_FFN_DIM, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from trainer.models.llama import config as llama_config
 from trainer.models.llama.config import LlamaConfig
 
 if TYPE_CHECKING:
-    from trainer.manifest.schema import ParallelSection
+    from trainer.manifest.sections import ParallelSection
+
+# The keys the kind adds to every logged step (stats.py computes them; named here, torch-free, for its spec)
+METRIC_KEYS = ("moe_aux_loss", "moe_load_max_over_mean", "moe_load_max_over_mean_per_layer",
+               "moe_dropped_fraction", "moe_z_loss", "moe_bias_norm")
 
 MAX_EXPERTS = 2**16
 MAX_TOP_K = 1024

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainer.models import HFMappingError
+from trainer.models.spec import HFMappingError
 from trainer.models.llama.hf import (
     config_json,
     decoder_config_kwargs,

@@ -36,7 +36,8 @@ from torch import nn
 
 from trainer import compat
 from trainer.compat import grouped_mm
-from trainer.models.llama.model import FeedForward, _copy_full, param_seed
+from trainer.models.llama.model import FeedForward
+from trainer.models.seeded_init import copy_full, draw
 
 SCORES = ("softmax", "sigmoid")
 
@@ -298,9 +299,5 @@ def init_moe(moe: MoE, seed: int, prefix: str = "", std: float = 0.02, out_std: 
     depend on device, sharding or expert parallel. normal(0, std), and normal(0, out_std) for the
     output projections (experts.w2, shared_experts.w2); `prefix` is the layer's FQN with a dot."""
     for name, param in moe.named_parameters():
-        fqn = prefix + name
-        generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn))
-        full = torch.empty(tuple(param.shape), dtype=torch.float32, device="cpu")
         is_out = name in ("experts.w2", "shared_experts.w2.weight")
-        full.normal_(0.0, out_std if is_out else std, generator=generator)
-        _copy_full(param, full)
+        copy_full(param, draw(seed, prefix + name, tuple(param.shape), out_std if is_out else std))

@@ -19,16 +19,15 @@ inside each RoutedFeedForward (balance.Balance), so a pipeline stage needs no ex
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from trainer.models import canonical_name
 from trainer.models.llama import model as llama
 from trainer.models.moe.balance import Balance
 from trainer.models.moe.config import AuxScope, MoEConfig
 from trainer.models.moe.layer import MoE
+from trainer.models.seeded_init import init_params
+from trainer.parallel.names import canonical_name
 
 
 class RoutedFeedForward(MoE):
@@ -92,23 +91,10 @@ _OUTPUT_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight", "feed_fo
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    """Seeded init, identical on any device, rank count, sharding or expert-parallel degree (llama's rule):
-    each parameter drawn whole in fp32 on the CPU from the generator of (seed, FQN), then its shard copied
-    in. normal(0, 0.02); the output projections (attention wo, every MLP's and expert's w2) normal(0, 0.02 /
-    sqrt(2 · layers)); norms ones; the routing bias and the RoPE tables filled."""
-    cfg: MoEConfig = model.cfg
-    std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.layers)
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            fqn = canonical_name(f"{module_name}.{param_name}" if module_name else param_name)
-            shape = tuple(param.shape)  # a DTensor reports its global shape
-            if isinstance(module, llama.RMSNorm):
-                full = torch.ones(shape, dtype=torch.float32, device="cpu")
-            else:
-                generator = torch.Generator(device="cpu").manual_seed(llama.param_seed(seed, fqn))
-                full = torch.empty(shape, dtype=torch.float32, device="cpu")
-                full.normal_(0.0, out_std if fqn.endswith(_OUTPUT_PROJECTIONS) else std, generator=generator)
-            llama._copy_full(param, full)
+    """Seeded init, identical on any device, rank count, sharding or expert-parallel degree (the Llama's rule,
+    trainer/models/seeded_init.py): normal(0, 0.02); the output projections (attention wo, every MLP's and
+    expert's w2) normal(0, 0.02 / sqrt(2 · layers)); norms ones; the routing bias and the RoPE tables filled."""
+    init_params(model, seed, llama.decoder_fill(model.cfg, _OUTPUT_PROJECTIONS))
     for _, layer in routed_layers(model):
         if layer.expert_bias is not None:
             layer.expert_bias.zero_()

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from trainer.manifest.schema import Sharding
+from trainer.manifest.choices import Sharding
 from trainer.models.llama.parallelize import (
     apply_llama_context_parallel,
     apply_root_tensor_parallel,
@@ -36,11 +36,14 @@ from trainer.parallel.recompute import apply_activation_checkpointing
 from trainer.parallel.tensor import apply_tensor_parallel
 
 if TYPE_CHECKING:
-    from trainer.manifest import Resolved
+    from trainer.manifest.resolve import Resolved
+    from trainer.parallel.pipeline.split import StageSplit
     from trainer.parallel.mesh import ParallelMesh
 
 
-def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | None, device: torch.device) -> ModelParts:
+def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | None, device: torch.device,
+                    split: StageSplit | None) -> ModelParts:
+    """`split`: pp > 1, the run's stage split (which layers this rank's stages run); None otherwise."""
     p, train = run.manifest.parallel, run.manifest.train
     if p.tp > 1:
         apply_moe_tensor_parallel(model, mesh["tp"], p.sequence_parallel)
@@ -52,7 +55,7 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
     if p.pp > 1:  # keep only this rank's stages (the Llama's cut: the same attributes)
         from trainer.models.llama.pipeline import split_model
 
-        split_model(model, run, mesh["pp"].get_local_rank())
+        split_model(model, split, mesh["pp"].get_local_rank())
     if train.compile:
         apply_compile(compilable_parts(model))
     apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
@@ -60,7 +63,7 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
     if p.pp > 1:
         from trainer.models.llama.pipeline import build_stages
 
-        parts = build_stages(model, run, mesh["pp"].get_local_rank())
+        parts = build_stages(model, run, split, mesh["pp"].get_local_rank())
     if p.optimizer_sharding == Sharding.zero3 and run.dp * p.cp > 1:
         from trainer.parallel.data.fsdp import apply_fsdp
         from trainer.precision import compute_dtype, reduce_dtype

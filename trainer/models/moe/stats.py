@@ -25,8 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from trainer.models.moe import METRIC_KEYS
 from trainer.models.moe.balance import StepStats, load_imbalance, update_bias
+from trainer.models.moe.config import METRIC_KEYS
 from trainer.models.moe.model import routed_layers
 
 

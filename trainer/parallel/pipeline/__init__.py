@@ -20,7 +20,8 @@ rank's action list with batched p2p, runtime.py ties it to the loop.
 """
 
 from trainer.parallel.pipeline.actions import Action, Kind, Schedule, parse_action, to_torch_csv
-from trainer.parallel.pipeline.analysis.checks import ScheduleError, peak_inflight, problems, validate
+from trainer.parallel.pipeline.analysis.checks import ScheduleError, problems, validate
+from trainer.parallel.pipeline.analysis.inflight import peak_inflight
 from trainer.parallel.pipeline.schedules import SCHEDULES, build_schedule, compute_order, schedule_names
 from trainer.parallel.pipeline.analysis.simulate import Costs, Deadlock, SimResult, simulate, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout

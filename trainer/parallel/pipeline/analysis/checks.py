@@ -1,4 +1,4 @@
-"""Checks every generated schedule must pass, and the in-flight activation count.
+"""Checks every generated schedule must pass.
 
 `problems(...)` returns every violation found (empty = valid):
 
@@ -14,8 +14,7 @@
   (each batch of sends/recvs waits for its partners), under async p2p for
   compute-only lists. A cycle is reported as a deadlock.
 
-In-flight activations: F stores a microbatch's activations on its chunk, W
-(or BW) frees them; B keeps them, because W still needs them.
+The in-flight activation count (`peak_inflight`) is inflight.py's.
 """
 
 from __future__ import annotations
@@ -33,25 +32,6 @@ class ScheduleError(ValueError):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("invalid pipeline schedule:\n  " + "\n  ".join(problems))
         self.problems = problems
-
-
-def inflight_profile(rank_actions: Iterable[Action]) -> list[int]:
-    """Activations held after each compute action of one rank (+1 at F, -1 at W or BW)."""
-    held, out = 0, []
-    for action in rank_actions:
-        if action.kind == Kind.F:
-            held += 1
-        elif action.kind in (Kind.W, Kind.BW):
-            held -= 1
-        else:
-            continue
-        out.append(held)
-    return out
-
-
-def peak_inflight(rank_actions: Iterable[Action]) -> int:
-    """Most (chunk, microbatch) activations one rank holds at once."""
-    return max(inflight_profile(rank_actions), default=0)
 
 
 def _transfers(layout: StageLayout, microbatches: int) -> Iterable[tuple[str, int, int, int]]:

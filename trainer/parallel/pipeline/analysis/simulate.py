@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.parallel.pipeline.actions import Action, Kind, Schedule, comm_batches
-from trainer.parallel.pipeline.analysis.checks import peak_inflight
+from trainer.parallel.pipeline.analysis.inflight import peak_inflight
 from trainer.parallel.pipeline.stages import StageLayout
 
 P2P = Literal["async", "blocking"]

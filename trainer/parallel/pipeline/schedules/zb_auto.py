@@ -29,7 +29,7 @@ with its guarantee made explicit:
    measures how often, and by how much, over a grid of shapes and costs).
 
 Memory: a microbatch's activations are held from its F to its W (B keeps
-them for W), counted per rank as in checks.inflight_profile; `max_inflight`
+them for W), counted per rank as in analysis/inflight.py; `max_inflight`
 bounds that count on every rank (default pp: 1F1B's and ZB-H1's memory).
 Pure and deterministic: the same arguments give the same lists, so every
 rank and `mantra plan` generate the same schedule.
@@ -38,7 +38,7 @@ rank and `mantra plan` generate the same schedule.
 from __future__ import annotations
 
 from trainer.parallel.pipeline.actions import B, W, Action, Kind
-from trainer.parallel.pipeline.analysis.checks import peak_inflight
+from trainer.parallel.pipeline.analysis.inflight import peak_inflight
 from trainer.parallel.pipeline.schedules.base import ScheduleSpec, need_microbatches, register, require, single_chunk
 from trainer.parallel.pipeline.analysis.simulate import Costs, Deadlock, simulate_ranks
 from trainer.parallel.pipeline.stages import StageLayout

@@ -1,0 +1,72 @@
+"""The loop's checkpoints: what a save holds, when the loop saves, and what it waits for.
+
+    resumed = saves.resume(resume_from)      # the newest good checkpoint (or resume_from), loaded
+    saves.due(step, last)                    # checkpoint.every, and the last step
+    saves.save_if_due(step, last, counters)  # after the step's metrics rows; commits a finished background save
+    saves.save_before_stop(step, saved, counters)  # a requested stop: this step on disk, whatever the cadence
+
+`counters` (skipped_steps, rollbacks) travel in each checkpoint, so a resumed run counts on from them.
+    saves.finish(steps)                      # the last background save committed
+
+Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.checkpoint.checkpointer import Checkpointer, Resumed
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Everything a checkpoint holds besides the RNG: the model, the gradient sync (its optimizer's state),
+    the LR schedule and the loader's position."""
+
+    model: torch.nn.Module
+    sync: object
+    lr_schedule: object
+    loader: object
+
+
+class Saves:
+    """One run's checkpoints (module docstring). `watchdog`: the rank's HangWatchdog; `manifest_text` the
+    resolved manifest each checkpoint carries."""
+
+    def __init__(self, ckpt: Checkpointer, state: TrainState, manifest_text: str, watchdog) -> None:
+        self.ckpt, self.state, self.manifest_text, self.watchdog = ckpt, state, manifest_text, watchdog
+
+    def resume(self, resume_from: str | None) -> Resumed | None:
+        s = self.state
+        return self.ckpt.load_latest(resume_from, s.sync, s.model, s.lr_schedule, s.loader)
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.ckpt.due(step, last)
+
+    def save_if_due(self, step: int, last: bool, counters: dict[str, int]) -> None:
+        """Save step `step` if the cadence asks (in the background under checkpoint.async_save), and commit
+        a background save that has finished."""
+        s = self.state
+        if self.ckpt.due(step, last):
+            self.watchdog.beat(step, "checkpoint save")
+        self.ckpt.maybe_save(step, last, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters)
+        self.ckpt.poll()
+
+    def save_before_stop(self, step: int, saved: bool, counters: dict[str, int]) -> None:
+        """Step `step` committed before the run stops on a signal (`saved`: the cadence already saved it)."""
+        s = self.state
+        self.watchdog.beat(step, "checkpoint save")
+        if not saved:
+            self.ckpt.save(step, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters=counters)
+        self.ckpt.wait()
+
+    def finish(self, steps: int) -> None:
+        """After the last step: its background save, if any, written and committed."""
+        self.watchdog.beat(steps, "last checkpoint save")
+        self.ckpt.wait()
+
+    def wait(self) -> None:
+        """A save in flight committed (it holds an earlier state than the failure that calls this)."""
+        self.ckpt.wait()

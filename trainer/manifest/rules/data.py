@@ -1,0 +1,53 @@
+"""Rules of the data section: what it says (data_source, also for plan and dry-run), the files it names
+(data_files: validate and run only), and the layouts a document mask cannot reach yet."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from trainer.manifest.choices import DataSource
+from trainer.manifest.rules.finding import Finding
+from trainer.manifest.schema import Manifest
+
+
+def _about_a_file(data, field: str) -> bool:
+    """Whether a data.`field` problem from check_data comes from looking at a file: a path that is set
+    (not a missing one), a tokenizer other than 'byte' (not the byte-vocab rule), the .bin's dtype,
+    a blend's file (not the blend as a whole), the validation file (unless the source is synthetic)."""
+    if field == "path":
+        return bool(data.path)
+    if field.startswith("sources."):
+        return True
+    if field == "valid":
+        return DataSource(data.source) is not DataSource.synthetic
+    return field == "dtype" or (field == "tokenizer" and data.tokenizer != "byte")
+
+
+def data_source(m: Manifest) -> Iterator[Finding]:
+    """What the data section says, without its files (plan and dry-run read none)."""
+    from trainer.data.checks import check_data  # numpy: imported when a manifest is checked, not with the package
+
+    for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
+        if not _about_a_file(m.data, field):
+            yield Finding(f"data.{field}", message)
+
+
+def data_files(m: Manifest) -> Iterator[Finding]:
+    """The data files themselves: there, readable, long enough (validate and run, which reads them)."""
+    from trainer.data.checks import check_data
+
+    for field, message in check_data(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab):
+        if _about_a_file(m.data, field):
+            yield Finding(f"data.{field}", message)
+
+
+def document_mask_layouts(m: Manifest) -> Iterator[Finding]:
+    """data.document_mask reaches attention through the model's forward: not through a pipeline stage's
+    or a context-parallel core's yet."""
+    p = m.parallel
+    if m.data.document_mask and p.cp > 1:
+        yield Finding("data.document_mask", "not supported yet: document masking with context parallel (the ring "
+                      "and Ulysses cores take no mask); set document_mask: false or cp: 1")
+    if m.data.document_mask and p.pp > 1:
+        yield Finding("data.document_mask", "not supported yet: document masking with pipeline parallel (the "
+                      "stages pass no mask along); set document_mask: false or pp: 1")

@@ -1,0 +1,84 @@
+"""Rules of the model kind: its own checks, what it supports (ModelSpec.capabilities, ModelSpec.pipeline),
+what the trainer does not support yet whatever the kind, and what the installed torch can run.
+
+    data.document_mask: model.kind tinygpt does not support document masks; set false or use a kind that does
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from trainer.manifest.rules.finding import Finding
+from trainer.manifest.schema import Manifest, Sharding
+from trainer.models import get_model_spec
+from trainer.registry import UnknownNameError
+
+if TYPE_CHECKING:
+    from trainer.models.spec import ModelSpec
+
+
+def spec_of(m: Manifest) -> ModelSpec | None:
+    """The spec of the manifest's model kind; None for a kind nobody registered (model_plugin reports it)."""
+    try:
+        return get_model_spec(m.model.kind)
+    except UnknownNameError:
+        return None
+
+
+def model_plugin(m: Manifest) -> Iterator[Finding]:
+    try:
+        spec = get_model_spec(m.model.kind)
+    except UnknownNameError as exc:
+        yield Finding("model.kind", str(exc.args[0]))
+        return
+    for field, message in spec.check(m.model):
+        yield Finding(f"model.{field}", message)
+    for field, message in spec.check_parallel(m.model, m.parallel):  # e.g. heads over tp: the kind's own shapes
+        yield Finding(field, message)
+
+
+def model_capabilities(m: Manifest) -> Iterator[Finding]:
+    """What the manifest asks of its model kind that the kind does not declare: a document mask, context
+    parallel, compile, an activation checkpointing mode (ModelSpec.capabilities), a pipeline split
+    (ModelSpec.pipeline). Expert parallel: parallel.expert_parallel_degree."""
+    spec = spec_of(m)
+    if spec is None:
+        return
+    can, p, train = spec.capabilities, m.parallel, m.train
+    lacks = f"model.kind {m.model.kind} does not support"
+    if m.data.document_mask and not can.document_mask:
+        yield Finding("data.document_mask", f"{lacks} document masks; set false or use a kind that does")
+    if p.cp > 1 and not can.context_parallel:
+        yield Finding("parallel.cp", f"{lacks} context parallel; set cp: 1 or use a kind that does")
+    if p.pp > 1 and spec.pipeline is None:
+        yield Finding("parallel.pp", f"{lacks} a pipeline split (its ModelSpec.pipeline is None); set pp: 1 or use "
+                      "a kind that does")
+    if train.compile and not can.compile:
+        yield Finding("train.compile", f"{lacks} torch.compile; set compile: false or use a kind that does")
+    mode = train.activation_checkpointing.value
+    if mode not in can.activation_checkpointing:
+        yield Finding("train.activation_checkpointing", f"{lacks} {mode} activation checkpointing; use "
+                      f"{' or '.join(can.activation_checkpointing)}, or a kind that does")
+
+
+def torch_supports_features(m: Manifest) -> Iterator[Finding]:
+    from trainer.manifest.torch_support import unsupported  # reads torch's version from its metadata, imports no torch
+
+    for field, message in unsupported(m):
+        yield Finding(field, message)
+
+
+_LATER = "not supported yet"
+
+
+def not_supported_yet(m: Manifest) -> Iterator[Finding]:
+    p = m.parallel
+    # tie_embeddings is not every kind's field, but the limit is the trainer's, not a kind's: the tied head
+    # (ModelParts.tie) under zero3 and pp, whatever the kind. So any kind that has the field meets the rule.
+    if p.pp > 1 and getattr(m.model, "tie_embeddings", False) and p.optimizer_sharding == Sharding.zero3:
+        yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
+                      "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
+    if p.cp > 1 and m.train.compile:
+        yield Finding("train.compile", f"{_LATER}: torch.compile with context parallel (its attention communicates "
+                      "inside the block); set compile: false or cp: 1")

@@ -1,0 +1,37 @@
+"""One metrics row per final step, at the log steps and the evaluated ones:
+
+    meter (loss averaged over dp×cp, grad_norm, lr, throughput, MFU, memory, pipeline bubble)
+      | skipped_steps, rollbacks, peak_tensor_bytes | val_loss, val_ppl | the model kind's keys  -> sinks
+
+Every rank writes the rows alike: the meter, the validation and the kind's metrics are collectives (only
+rank 0's sinks write anything).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainer.data.evaluate import NO_VALIDATION
+
+
+class MetricRows:
+    """`write(outcome, step)` for each step the stepper hands back at the end of step `step`."""
+
+    def __init__(self, sinks, meter, validation, guard, memory, kind_metrics: Callable[[], dict], watchdog) -> None:
+        """`sinks` (report/sinks.py), `meter` (report/meter.py), `validation` (data/evaluate.py), `guard` the
+        run's NonFiniteGuard (its skipped count), `memory` the RunMemory (logging.memory), `kind_metrics` the
+        model kind's keys (a collective), `watchdog` beaten before an evaluation."""
+        self.sinks, self.meter, self.validation, self.guard = sinks, meter, validation, guard
+        self.memory, self.kind_metrics, self.watchdog = memory, kind_metrics, watchdog
+
+    def write(self, outcome, step: int) -> None:
+        """Evaluate at `step` when it is due and `outcome` is that step (post-validation hands back the one
+        before it too), then log the row at the log steps and the evaluated ones."""
+        done = outcome.step
+        if done == step and self.validation.due(step):
+            self.watchdog.beat(step, "validation")
+        val = self.validation.at(step) if done == step else dict(NO_VALIDATION)  # val_loss, val_ppl: None unless evaluated
+        if self.sinks.should_log(done) or val["val_loss"] is not None:
+            self.sinks.log(self.meter.metrics(done, outcome.loss, outcome.grad_norm, outcome.lr) | {
+                "skipped_steps": self.guard.skipped, "rollbacks": outcome.rollbacks,
+                "peak_tensor_bytes": self.memory.report(done)} | val | self.kind_metrics())
