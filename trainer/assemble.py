@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.saves import Saves, TrainState
+from trainer.checkpoint.saves import Saves, TrainState, carried_files
 from trainer.data.evaluate import Validation, build_validation
 from trainer.data.loader import Loader, build_loader
 from trainer.dist import RankInfo
@@ -203,7 +203,7 @@ def build_saves(run: Resolved, info: RankInfo, device: torch.device, training: T
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, c.keep, info.rank, info.world_size, device, verify=c.verify,
                         model=training.model, sync=training.sync, every=c.every, final=c.final,
-                        asynchronous=c.async_save)
+                        asynchronous=c.async_save, carried=carried_files(m.data) if info.is_rank0 else None)
     return Saves(ckpt, TrainState(training.model, training.sync, training.lr_schedule, loader), manifest_text, watchdog)
 
 

@@ -3,7 +3,8 @@
     <checkpoint dir>/
       step-00000010/       __<rank>_0.distcp (raw tensor chunks), metadata.json (where each chunk is),
                            trainer.json (step, LR schedule, data position, counters), rng-rank<R>.safetensors,
-                           manifest.yaml
+                           manifest.yaml, tokenizer.json (a run's own tokenizer, as read at its start: export
+                           takes it from here, never from a path the manifest names)
         COMMITTED          written by rank 0 only after every rank finished writing: the commit marker,
                            with the size and checksum of every file (trainer/checkpoint/integrity.py)
       latest               "step-00000010", replaced atomically after the commit
@@ -52,7 +53,6 @@ checkpoint with the mantra that wrote it.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 import warnings
@@ -81,10 +81,12 @@ from trainer.checkpoint.storage import ChecksummingWriter
 from trainer.checkpoint.trainer_state import TRAINER, rng_bytes, rng_file, set_rng_state, trainer_bytes, write_file
 from trainer.checkpoint.values import as_tensors
 from trainer.optim import settle_kernels
+from trainer.run.state_files import replace_state
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.yaml"  # the run's resolved manifest, so a checkpoint explains itself (export reads it)
+TOKENIZER = "tokenizer.json"  # the run's own tokenizer (data.tokenizer other than byte), carried in every step
 __all__ = ["COMMITTED", "LATEST", "MANIFEST", "Checkpointer", "Resumed", "NonFiniteCheckpoint", "CheckpointUnusable"]
 
 
@@ -169,9 +171,11 @@ class Checkpointer:
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device,
                  verify="full", model: torch.nn.Module | None = None, sync=None, every: int = 0,
-                 final: bool = True, asynchronous: bool = False):
+                 final: bool = True, asynchronous: bool = False, carried: dict[str, bytes] | None = None):
         """`every`, `final`, `asynchronous`: the cadence `due` and `maybe_save` follow (checkpoint.every,
-        checkpoint.final, checkpoint.async_save)."""
+        checkpoint.final, checkpoint.async_save). `carried`: files rank 0 writes into every step directory
+        (the run's tokenizer.json), checksummed in COMMITTED like the rest."""
+        self.carried = dict(carried or {})
         self.root = Path(root)
         self.every, self.final, self.asynchronous = every, final, asynchronous
         self.device = device
@@ -236,6 +240,7 @@ class Checkpointer:
                 own[TRAINER] = write_file(target / TRAINER, trainer_bytes(step, self.world_size, lr_schedule, loader,
                                                                           counters or {}))
                 own[MANIFEST] = write_file(target / MANIFEST, manifest_text.encode())
+                own |= {name: write_file(target / name, data) for name, data in self.carried.items()}
             writer = ChecksummingWriter(target, self.rank, own)
             if asynchronous:
                 # DCP's coordinator finishes only after every rank's shards are written (and their checksum
@@ -296,9 +301,7 @@ class Checkpointer:
                 files[extra.name] = checksum_file(extra)
         write_marker(target, step, files)
         remove_rank_checksums(target, self.world_size)
-        tmp = self.root / f".{LATEST}.tmp"
-        tmp.write_text(target.name + "\n")
-        os.replace(tmp, self.root / LATEST)
+        replace_state(self.root / LATEST, (target.name + "\n").encode())  # never written through a planted link
         self.pruner.after_commit(step)
 
     # -- loading -----------------------------------------------------------------------------

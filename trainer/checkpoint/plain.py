@@ -76,17 +76,27 @@ def _refuse_constant(name: str) -> Any:
 
 def loads(data: bytes, where: str, max_depth: int = 16, max_values: int = 1 << 20) -> Any:
     """Parse `data` (JSON text, UTF-8) as hostile: bounded depth and value count, then the typed values back."""
+    raw = bounded_json(data, where, max_depth, max_values, "not written by mantra", "JSON of mantra's")
+    try:
+        return from_plain(raw, max_depth)
+    except (ValueError, RecursionError, TypeError) as exc:
+        raise PlainDataError(f"{where} is not valid JSON of mantra's ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def bounded_json(data: bytes, where: str, max_depth: int, max_values: int, what: str = "refused",
+                 kind: str = "JSON") -> Any:
+    """Any JSON text parsed within bounds (depth, value count, 20-digit integers, finite numbers): the
+    plain dicts and lists, untyped. `what`: why a file nested too deep is refused; `kind`: what it must be."""
     if not _nesting_within(data, max_depth):
-        raise PlainDataError(f"{where} is nested deeper than {max_depth} levels (or unbalanced); not written by mantra")
+        raise PlainDataError(f"{where} is nested deeper than {max_depth} levels (or unbalanced); {what}")
     values = sum(data.count(c) for c in (b",", b":", b"[", b"{")) + 1
     if values > max_values:
         raise PlainDataError(f"{where} holds about {values} values, more than the {max_values} allowed for it")
     try:
-        raw = json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
-                         parse_constant=_refuse_constant)
-        return from_plain(raw, max_depth)
+        return json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                          parse_constant=_refuse_constant)
     except (ValueError, RecursionError, TypeError) as exc:
-        raise PlainDataError(f"{where} is not valid JSON of mantra's ({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise PlainDataError(f"{where} is not valid {kind} ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def dumps(value: Any) -> bytes:

@@ -13,11 +13,17 @@ Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.checkpointer import Checkpointer, Resumed
+from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer, Resumed
+from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
+from trainer.data.tokens import DataError
+from trainer.manifest.choices import DataSource
+from trainer.manifest.sections import DataSection
 
 
 @dataclass(frozen=True)
@@ -70,3 +76,16 @@ class Saves:
     def wait(self) -> None:
         """A save in flight committed (it holds an earlier state than the failure that calls this)."""
         self.ckpt.wait()
+
+
+def carried_files(data: DataSection) -> dict[str, bytes]:
+    """The files every checkpoint of the run carries besides its state: the run's own tokenizer.json, read
+    once at the start (what the run tokenizes with), so an export takes it from the checkpoint."""
+    if DataSource(data.source) is not DataSource.text or data.tokenizer == "byte":
+        return {}
+    path = Path(os.path.expanduser(data.tokenizer))
+    with open(path, "rb") as f:
+        tokenizer = f.read(MAX_TOKENIZER_BYTES + 1)
+    if len(tokenizer) > MAX_TOKENIZER_BYTES:
+        raise DataError(f"data.tokenizer: {path} is over {MAX_TOKENIZER_BYTES >> 20} MiB; use a smaller tokenizer.json")
+    return {TOKENIZER: tokenizer}
