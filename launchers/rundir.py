@@ -54,7 +54,8 @@ class DirLock:
     """An exclusive flock on `<directory>/<name>`, held until `release` or until this process dies. The lock
     file is opened with O_NOFOLLOW and must be a regular file: a planted symlink is refused, never written."""
 
-    def __init__(self, directory: Path, name: str, what: str, fix: str):
+    def __init__(self, directory: Path, name: str, what: str, fix: str, cannot_write: str | None = None):
+        """`cannot_write`: the message when the directory cannot be written, with {why} for the reason."""
         self.path = Path(directory) / name
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,8 +63,8 @@ class DirLock:
         except StateFileError as exc:
             raise RunDirError(f"{exc.strerror}; remove it and start again") from None
         except OSError as exc:
-            raise RunDirError(f"{self.path.parent}: cannot write the {what} ({exc.strerror}); "
-                              f"make it writable or {fix}") from None
+            template = cannot_write or f"{self.path.parent}: cannot write the {what} ({{why}}); make it writable"
+            raise RunDirError(template.replace("{why}", exc.strerror or str(exc))) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,14 +92,18 @@ class RunLock(DirLock):
     """<run dir>/run.lock: one run per run directory."""
 
     def __init__(self, run_dir: Path):
-        super().__init__(run_dir, LOCK, "run directory", "give this run its own name or logging.dir")
+        super().__init__(run_dir, LOCK, "run directory", "give this run its own name or logging.dir",
+                         f"{run_dir}: cannot write the run directory ({{why}}); make it writable or set logging.dir "
+                         "elsewhere")
 
 
 class CheckpointLock(DirLock):
     """<checkpoint.dir>/checkpoint.lock: one run per checkpoint directory, whatever its run directory."""
 
     def __init__(self, checkpoint_dir: Path):
-        super().__init__(checkpoint_dir, CHECKPOINT_LOCK, "checkpoint directory", "give this run its own checkpoint.dir")
+        super().__init__(checkpoint_dir, CHECKPOINT_LOCK, "checkpoint directory", "give this run its own checkpoint.dir",
+                         f"checkpoint.dir {checkpoint_dir}: cannot write there ({{why}}); "
+                         "point checkpoint.dir at a writable directory")  # as the checkpoint preflight says it
 
 
 def _holder(fd: int) -> str:
