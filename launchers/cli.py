@@ -72,6 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from launchers.rundir import RunDirError, claim_run_dir
     from trainer.checkpoint.preflight import CheckpointDirError, check_writable
     from trainer.data.loader import DataError
+    from trainer.run.status import RunStatus
 
     run = _load(args)
     try:
@@ -85,7 +86,11 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"(raise train.steps to continue it, or --fresh to start anew)")
         return EXIT_OK
     try:
-        check_writable(run.checkpoint_dir)  # before any rank starts, so `--nproc N` exits 2 as well
+        try:
+            check_writable(run.checkpoint_dir)  # before any rank starts, so `--nproc N` exits 2 as well
+        except CheckpointDirError as exc:  # the run directory is claimed: status.json says why it ended
+            RunStatus(run.run_dir, True).write("failed", None, str(exc))
+            raise
         return run_local(run)
     except (DataError, CheckpointDirError) as exc:  # data: found only when read (e.g. an id beyond the vocab)
         raise BadInput(f"{run.source}: {exc}") from None
@@ -182,10 +187,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from trainer.checkpoint.export import ExportError, export_hf
+    from trainer.checkpoint.export import ExportError, export_hf, resolve_checkpoint
 
     try:
-        out = export_hf(args.checkpoint, args.out, verify=args.verify == "full")
+        step = resolve_checkpoint(args.checkpoint)  # a checkpoint root: the step its `latest` names
+        print(f"exporting {step.name} ({step})", flush=True)
+        out = export_hf(step, args.out, verify=args.verify == "full", force=args.force)
     except (ExportError, FileNotFoundError) as exc:
         raise BadInput(str(exc)) from None
     print(f"{out}: model.safetensors + config.json + tokenizer.json (load with transformers.AutoModelForCausalLM and "
@@ -304,8 +311,10 @@ def add_info_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", choices=["hf"], default="hf", help="target format (hf: safetensors + config.json)")
     p.add_argument("out", type=Path, metavar="DIR", help="output directory")
     p.add_argument("--verify", choices=["full", "off"], default="full",
-                   help="full (default): check every file against the checksums recorded at commit; off: a "
-                        "checkpoint from before checksums (its metadata is still read through the allowed list)")
+                   help="full (default): check every file against the checksums recorded at commit; off: skip "
+                        "the checksums (every file is still read with its bounds, and never as a pickle)")
+    p.add_argument("--force", action="store_true",
+                   help="export into a non-empty DIR, replacing the export's files there (never writing through a link)")
     p.set_defaults(fn=cmd_export)
 
 

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
@@ -25,10 +26,19 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     def run(args: argparse.Namespace) -> int:
         from trainer.data.corpus import CorpusError
 
+        out = getattr(args, "out", None)
         try:
+            if out is not None and os.path.lexists(out) and (Path(out).is_symlink() or not Path(out).is_file()):
+                raise CorpusError(f"--out {out} exists and is not a regular file (a directory, a link or a device "
+                                  "is never replaced); name a new file or a plain one to replace")
             return fn(args)
         except CorpusError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as exc:  # a read-only filesystem, a full disk, a directory where a file goes
+            where = exc.filename or out
+            print(f"error: {where}: {exc.strerror or exc}; choose an --out on a writable filesystem with room "
+                  "(and inputs that can be read)", file=sys.stderr)
             return EXIT_BAD_INPUT
 
     return run

@@ -3,6 +3,9 @@
     runs/<name>/
       run.lock           flock'ed by the process that owns the run (`mantra run`, or Slurm task 0):
                          the holder's host and PID, for the message a second run gets
+    <checkpoint.dir>/checkpoint.lock   the same, for the checkpoint directory (another run directory may
+                         name it): a second run into it, or a `--fresh` that would move it, is refused
+    Lock and state files are opened with O_NOFOLLOW and must be regular files (trainer/run/state_files.py).
       fingerprint.json   model shape, vocab and data identity: what a checkpoint of this run needs
       status.json        running | completed | failed | ... (trainer/run/status.py)
 
@@ -33,9 +36,11 @@ from typing import Any
 
 from trainer.manifest import Resolved
 from trainer.manifest.schema import DataSource
+from trainer.run.state_files import StateFileError, open_state, read_state, replace_state
 from trainer.run.status import read_status
 
 LOCK = "run.lock"
+CHECKPOINT_LOCK = "checkpoint.lock"
 FINGERPRINT = "fingerprint.json"
 FINGERPRINT_VERSION = 1
 _EDGE = 1 << 20  # bytes hashed at each end of a data file: cheap, and catches a changed or appended file
@@ -45,24 +50,28 @@ class RunDirError(Exception):
     """A run directory that cannot be used as asked; one line for the user, exit 2."""
 
 
-class RunLock:
-    """An exclusive flock on <run dir>/run.lock, held until `release` or until this process dies."""
+class DirLock:
+    """An exclusive flock on `<directory>/<name>`, held until `release` or until this process dies. The lock
+    file is opened with O_NOFOLLOW and must be a regular file: a planted symlink is refused, never written."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, directory: Path, name: str, what: str, fix: str, cannot_write: str | None = None):
+        """`cannot_write`: the message when the directory cannot be written, with {why} for the reason."""
+        self.path = Path(directory) / name
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd: int | None = open_state(self.path, os.O_RDWR | os.O_CREAT)
+        except StateFileError as exc:
+            raise RunDirError(f"{exc.strerror}; remove it and start again") from None
         except OSError as exc:
-            raise RunDirError(f"{self.path.parent}: cannot write the run directory ({exc.strerror}); "
-                              "make it writable or set logging.dir elsewhere") from None
+            template = cannot_write or f"{self.path.parent}: cannot write the {what} ({{why}}); make it writable"
+            raise RunDirError(template.replace("{why}", exc.strerror or str(exc))) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(self._fd)
             os.close(self._fd)
             raise RunDirError(f"{self.path.parent} is in use by another run ({holder}); wait for it to end or "
-                              "stop it, or give this run its own name or logging.dir") from None
+                              f"stop it, or {fix}") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                         "since": datetime.now().isoformat(timespec="seconds")}).encode() + b"\n", 0)
@@ -72,11 +81,29 @@ class RunLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> DirLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class RunLock(DirLock):
+    """<run dir>/run.lock: one run per run directory."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(run_dir, LOCK, "run directory", "give this run its own name or logging.dir",
+                         f"{run_dir}: cannot write the run directory ({{why}}); make it writable or set logging.dir "
+                         "elsewhere")
+
+
+class CheckpointLock(DirLock):
+    """<checkpoint.dir>/checkpoint.lock: one run per checkpoint directory, whatever its run directory."""
+
+    def __init__(self, checkpoint_dir: Path):
+        super().__init__(checkpoint_dir, CHECKPOINT_LOCK, "checkpoint directory", "give this run its own checkpoint.dir",
+                         f"checkpoint.dir {checkpoint_dir}: cannot write there ({{why}}); "
+                         "point checkpoint.dir at a writable directory")  # as the checkpoint preflight says it
 
 
 def _holder(fd: int) -> str:
@@ -144,23 +171,41 @@ def _short(value: Any) -> str:
 
 # ---------------------------------------------------------------------------- claiming a run directory
 
+class Locks:
+    """The run directory's lock and the checkpoint directory's (a second run into either is refused),
+    released together."""
+
+    def __init__(self, run: Resolved):
+        self.held = [RunLock(run.run_dir)]
+        try:
+            self.held.append(CheckpointLock(run.checkpoint_dir))
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for lock in self.held:
+            lock.release()
+
+
 @dataclass
 class Claim:
-    lock: RunLock | None  # None from `check_run_dir`: only tested
+    lock: Locks | None  # None from `check_run_dir`: only tested
     complete_step: int | None  # the run already finished this many steps (all it asks for): nothing to do
     moved_to: Path | None  # --fresh: where the earlier run went
 
 
 def claim_run_dir(run: Resolved, fresh: bool = False) -> Claim:
-    """Lock the run directory and check it may hold this run (module docstring); raises RunDirError."""
+    """Lock the run and checkpoint directories and check they may hold this run (module docstring); raises
+    RunDirError. `--fresh` moves them aside only while holding both locks, so a live run is never moved."""
     run_dir = run.run_dir
-    lock = RunLock(run_dir)
+    locks = Locks(run)
     moved = None
     try:
         if fresh and _has_history(run):
-            lock.release()
-            moved = move_aside(run)
-            lock = RunLock(run_dir)
+            moved = move_aside(run)  # the lock files move with them
+            held, locks = locks, Locks(run)  # new lock files where the run starts anew
+            held.release()
         new = fingerprint(run)
         recorded = _read_json(run_dir / FINGERPRINT) or _legacy_fingerprint(run_dir, new)
         if recorded is not None and recorded != new:
@@ -172,9 +217,9 @@ def claim_run_dir(run: Resolved, fresh: bool = False) -> Claim:
         status = read_status(run_dir)
         done = status.get("step") if status.get("state") == "completed" else None
         complete = done if isinstance(done, int) and done >= run.manifest.train.steps else None
-        return Claim(lock, complete, moved)
+        return Claim(locks, complete, moved)
     except BaseException:
-        lock.release()
+        locks.release()
         raise
 
 
@@ -191,7 +236,7 @@ def check_run_dir(run: Resolved, fresh: bool = False) -> Claim:
 
 def record_fingerprint(run: Resolved, value: dict[str, Any] | None = None) -> None:
     """Write the run's fingerprint into its run directory unless one is there already."""
-    if not (run.run_dir / FINGERPRINT).exists():
+    if not os.path.lexists(run.run_dir / FINGERPRINT):
         _write_json(run.run_dir / FINGERPRINT, value or fingerprint(run))
 
 
@@ -209,7 +254,7 @@ def _legacy_fingerprint(run_dir: Path, new: dict[str, Any]) -> dict[str, Any] | 
 
 def _has_history(run: Resolved) -> bool:
     dirs = [run.run_dir, run.checkpoint_dir]
-    return any(d.is_dir() and any(p.name != LOCK for p in d.iterdir()) for d in dirs)
+    return any(d.is_dir() and any(p.name not in (LOCK, CHECKPOINT_LOCK) for p in d.iterdir()) for d in dirs)
 
 
 def move_aside(run: Resolved) -> Path:
@@ -231,14 +276,12 @@ def move_aside(run: Resolved) -> Path:
 
 
 def _read_json(path: Path) -> dict | None:
-    with contextlib.suppress(OSError, ValueError):
-        value = json.loads(path.read_text(encoding="utf-8"))
+    with contextlib.suppress(ValueError, RecursionError):
+        value = json.loads(read_state(path) or b"null")
         return value if isinstance(value, dict) else None
     return None
 
 
 def _write_json(path: Path, value: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_state(path, (json.dumps(value, indent=1) + "\n").encode())

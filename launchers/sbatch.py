@@ -334,9 +334,11 @@ def run_task(manifest_path: str) -> dict:
 
     logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
     if int(os.environ["RANK"]) == 0:  # one run per directory while the job runs (launchers/rundir.py)
-        from launchers.rundir import RunLock
+        from launchers.rundir import Locks
+        from trainer.manifest import load_manifest
 
-        lock = RunLock(Path(manifest_path).parent)  # noqa: F841 - held until this task's process ends
+        locks = Locks(load_manifest(manifest_path, data_files=False)[0])  # noqa: F841 - the run and checkpoint
+        # directories' locks, held until this task's process ends
     with held_signals():
         try:
             result = quiet_usage_errors(run_rank)(Path(manifest_path))  # exit 2: the batch script says why

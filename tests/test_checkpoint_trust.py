@@ -1,9 +1,11 @@
 """Checkpoints as an attacker, an unlucky disk and a diverged run would leave them.
 
 Each test reproduces an attack or a failure on a real checkpoint and fails on the code before
-trainer/ckpt_*.py: a pickle planted as `.metadata` ran its payload under `mantra run` and `mantra export`,
+trainer/ckpt_*.py: a pickle planted as DCP's `.metadata` ran its payload under `mantra run` and `mantra export`,
 a flipped byte loaded silently, `latest` and symlinked step directories were followed out of the root,
-an unusable checkpoint directory was found only at the first save, and NaN states were committed.
+an unusable checkpoint directory was found only at the first save, and NaN states were committed. Since
+mantra writes its own metadata.json the pickle is planted there (tests/test_checkpoint_pickles.py plants
+crafted pickles as every file of a checkpoint).
 """
 
 from __future__ import annotations
@@ -66,25 +68,25 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("guard", ["checksum", "allowlist"])
+@pytest.mark.parametrize("guard", ["checksum", "parser"])
 def test_a_pickle_planted_as_metadata_runs_nothing(trained, tmp_path, guard):
-    """checksum: the marker is untouched, verify: full refuses the changed file before unpickling it.
-    allowlist: the attacker also forged the marker and the run has verify: off, so only the restricted
-    unpickler stands between the file and the payload."""
-    manifest, ckpt = copy_run(trained, tmp_path, {"checkpoint": {"verify": "off"}} if guard == "allowlist" else {})
+    """checksum: the marker is untouched, verify: full refuses the changed file before parsing it.
+    parser: the attacker also forged the marker and the run has verify: off, so only the metadata reader
+    (JSON, never a pickle) stands between the file and the payload."""
+    manifest, ckpt = copy_run(trained, tmp_path, {"checkpoint": {"verify": "off"}} if guard == "parser" else {})
     planted = tmp_path / "payload-ran"
-    metadata = ckpt / "step-00000004/.metadata"
+    metadata = ckpt / "step-00000004/metadata.json"
     payload = pickle.dumps(Plant(planted))
     metadata.write_bytes(payload + b"\0" * (metadata.stat().st_size - len(payload)))  # same size: only the sum differs
-    if guard == "allowlist":
-        forge_marker_entry(ckpt / "step-00000004", ".metadata")
+    if guard == "parser":
+        forge_marker_entry(ckpt / "step-00000004", "metadata.json")
 
     export = mantra("export", str(ckpt), "--to", "hf", str(tmp_path / "hf"))
     assert not planted.exists(), "mantra export ran the pickle's payload"
     assert export.returncode == 2, export.stderr[-2000:]
     lines = export.stderr.strip().splitlines()
     assert len(lines) == 1 and str(metadata) in lines[0], export.stderr
-    assert ("does not match its checksum" if guard == "checksum" else "refused to unpickle io.open") in lines[0]
+    assert ("does not match its checksum" if guard == "checksum" else "is not valid JSON of mantra's") in lines[0]
 
     run = mantra_run(manifest, 1, "--set", "train.steps=6")
     assert not planted.exists(), "mantra run (auto-resume) ran the pickle's payload"
@@ -120,8 +122,8 @@ def test_latest_and_step_links_are_never_followed_out_of_the_root(trained, tmp_p
     planted = tmp_path / "payload-ran"
     elsewhere = tmp_path / "elsewhere/step-00000010"  # a whole checkpoint that verifies, with a payload
     shutil.copytree(ckpt / "step-00000004", elsewhere)
-    (elsewhere / ".metadata").write_bytes(pickle.dumps(Plant(planted)))
-    forge_marker_entry(elsewhere, ".metadata")
+    (elsewhere / "metadata.json").write_bytes(pickle.dumps(Plant(planted)))
+    forge_marker_entry(elsewhere, "metadata.json")
 
     for pointer in ("../elsewhere/step-00000010", str(elsewhere)):
         (ckpt / "latest").write_text(pointer + "\n")
@@ -162,26 +164,11 @@ def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
 @pytest.fixture
 def local(tmp_path):
     """A tiny model, its optimizer (after one real step, so AdamW has state), LR schedule and loader."""
-    from trainer.data.loader import build_loader
-    from trainer.assemble import build_model
-    from trainer.loop import train_step
-    from trainer.manifest import load_manifest
-    from trainer.optim import build_lr_schedule, build_optimizer
-    from trainer.parallel.data.sync import LocalSync
+    from checkpoint_attack import build_local
 
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(tiny_config("local", tmp_path / "local", steps=4)))
-    run, _ = load_manifest(path)
-    m, device = run.manifest, torch.device("cpu")
-    model = build_model(run, None, device)
-    sync = LocalSync(model, build_optimizer(list(model.named_parameters()), m.optimizer, device))
-    schedule = build_lr_schedule(sync.optimizer, m.optimizer, m.train.steps)
-    loader = build_loader(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=0,
-                          global_batch=run.batch.global_batch, micro_batch=run.batch.micro_batch,
-                          microbatches=run.grad_accum, dp_rank=0, dp_size=1)
-    train_step(model, sync, loader.microbatches(0), device, torch.autocast("cpu", enabled=False), 1, run.grad_accum)
-    sync.step()
-    return model, sync, schedule, loader
+    return build_local(path)
 
 
 def test_a_state_holding_nan_is_never_committed(local, tmp_path):
@@ -210,7 +197,7 @@ def test_an_async_save_records_every_file_and_verifies_on_load(local, tmp_path):
     marker = json.loads((step / "COMMITTED").read_text())
     on_disk = sorted(f.name for f in step.iterdir() if f.name != "COMMITTED")
     assert sorted(marker["files"]) == on_disk  # every file, and no per-rank leftovers
-    assert {".metadata", "__0_0.distcp", "trainer.pt", "rng-rank0.pt", "manifest.yaml"} <= set(on_disk)
+    assert {"metadata.json", "__0_0.distcp", "trainer.json", "rng-rank0.safetensors", "manifest.yaml"} <= set(on_disk)
     for name, entry in marker["files"].items():
         assert checksum_file(step / name, marker["algorithm"]) == (entry["size"], entry["checksum"]), name
     assert ckpt.load_latest(None, sync, model, schedule, loader).step == 1
@@ -251,18 +238,20 @@ def test_a_save_that_runs_out_of_space_says_how_much_it_needed(local, tmp_path, 
     assert not (tmp_path / "ckpt/latest").exists()
 
 
-def test_the_allowlist_reads_every_layouts_metadata_and_nothing_else(local, tmp_path):
-    """The restricted unpickler loads real DCP metadata and refuses classic payloads by name."""
+def test_the_metadata_reader_reads_every_layouts_metadata_and_nothing_else(local, tmp_path):
+    """The metadata reader loads real metadata.json and refuses classic payloads (pickles) without running them."""
     from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.checkpoint.safe_unpickle import RefusedPickle, load_metadata
+    from trainer.checkpoint.dcp_metadata import decode
+    from trainer.checkpoint.plain import PlainDataError
 
     model, sync, schedule, loader = local
     Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu")).save(
         1, sync, model, schedule, loader)
-    metadata = load_metadata((tmp_path / "ckpt/step-00000001/.metadata").read_bytes())
+    assert not (tmp_path / "ckpt/step-00000001/.metadata").exists()  # DCP's pickle is not even written
+    metadata = decode((tmp_path / "ckpt/step-00000001/metadata.json").read_bytes(), "metadata.json")
     assert "model.tok_embeddings.weight" in metadata.state_dict_metadata
     for payload in (pickle.dumps(Plant(tmp_path / "x")), pickle.dumps(os.system), pickle.dumps({"a": Path("/")}),
                     b"cos\nsystem\n(S'true'\ntR."):
-        with pytest.raises(RefusedPickle):
-            load_metadata(payload)
+        with pytest.raises(PlainDataError):
+            decode(payload, "metadata.json")
     assert not (tmp_path / "x").exists()

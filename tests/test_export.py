@@ -77,21 +77,25 @@ def test_byte_level_tokenizer_ids_are_the_bytes():
 
 
 def test_a_run_with_its_own_tokenizer_exports_that_file(tmp_path):
-    """data.tokenizer names a tokenizer.json: the export holds a copy of it, byte for byte."""
-    from trainer.checkpoint.export import byte_level_tokenizer, write_tokenizer
+    """data.tokenizer names a tokenizer.json: the export holds a copy of it, byte for byte, taken from the
+    step directory (where the run stored it at save time), never from the path the manifest names."""
+    from trainer.checkpoint.export import ExportError, byte_level_tokenizer, tokenizer_files
     from trainer.manifest.schema import Manifest
 
     own = tmp_path / "my-tokenizer.json"
     tokenizer = byte_level_tokenizer()
     tokenizer.add_special_tokens(["<|end|>"])  # anything that makes it the run's own, not the byte one
     tokenizer.save(str(own))
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / "tokenizer.json").write_bytes(own.read_bytes())
     manifest = Manifest.model_validate(merge(tiny_config("own", tmp_path / "own"), {"data": {"tokenizer": str(own)}}))
-    write_tokenizer(manifest, tmp_path)
-    assert (tmp_path / "tokenizer.json").read_bytes() == own.read_bytes()
+    own.unlink()  # the path the manifest names is not read
+    assert tokenizer_files(manifest, step, verify=False)["tokenizer.json"] == (step / "tokenizer.json").read_bytes()
 
-    own.unlink()
-    with pytest.raises(ValueError, match=f"the run's tokenizer {own} .* is not a file any more"):
-        write_tokenizer(manifest, tmp_path / "again")
+    (step / "tokenizer.json").unlink()
+    with pytest.raises(ExportError, match="the run's tokenizer is not in the checkpoint"):
+        tokenizer_files(manifest, step, verify=False)
 
 
 def test_export_of_a_non_checkpoint_is_one_line(tmp_path):

@@ -84,3 +84,24 @@ def test_changed_manifest_refused_fresh_moves_aside_complete_run_not_retrained(t
     aside = [d for d in tmp_path.glob("again.*") if d.is_dir()]
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_bytes() == metrics
     assert len(read_jsonl(tmp_path / "again/metrics.jsonl")) == 4
+
+
+def test_skipped_steps_and_rollbacks_carry_on_after_a_resume(tmp_path):
+    """Both counters are in the checkpoint (trainer.json): a resumed run's rows continue them, where they
+    used to restart from 0. skip: every step after the first is non-finite and skipped, the run stops at
+    max_skipped and is started again with a higher bound. rollbacks: a clip so low that post-validation
+    rolls back and redoes every step, 3 steps and then 3 more."""
+    path = write(tmp_path, "skip", {"optimizer": {"lr": 1.0e30, "warmup": 0}, "checkpoint": {"every": 1},
+                                    "train": {"steps": 8, "on_nonfinite": "skip", "max_skipped": 3}})
+    assert mantra_run(path, 1).returncode != 0  # stopped at step 4; step 3 committed with 2 skipped
+    again = mantra_run(path, 1, "--set", "train.max_skipped=5")
+    assert again.returncode != 0 and "5 steps in a row skipped" in again.stderr, again.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "skip/metrics.jsonl")
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (6, 5), (7, 6)]
+
+    pv = write(tmp_path, "pv", {"parallel": {"pp": 2, "schedule": "zb-h2", "post_validation": True},
+                                "optimizer": {"grad_clip": 1.0e-6}, "train": {"steps": 3}})
+    assert mantra_run(pv, 2).returncode == 0
+    resumed = mantra_run(pv, 2, "--set", "train.steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["rollbacks"] for r in read_jsonl(tmp_path / "pv/metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

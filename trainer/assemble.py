@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.saves import Saves, TrainState
+from trainer.checkpoint.saves import Saves, TrainState, carried_files
 from trainer.data.evaluate import Validation, build_validation
 from trainer.data.loader import Loader, build_loader
 from trainer.dist import RankInfo
@@ -214,7 +214,7 @@ def build_saves(run: Resolved, info: RankInfo, device: torch.device, training: T
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, c.keep, info.rank, info.world_size, device, verify=c.verify,
                         model=training.model, sync=training.sync, every=c.every, final=c.final,
-                        asynchronous=c.async_save)
+                        asynchronous=c.async_save, carried=carried_files(m.data) if info.is_rank0 else None)
     return Saves(ckpt, TrainState(training.model, training.sync, training.lr_schedule, loader), manifest_text, watchdog)
 
 
@@ -245,21 +245,22 @@ def build_run_sinks(run: Resolved, is_rank0: bool, device: torch.device, resume_
                        extra_keys=get_model_spec(m.model.kind).metric_keys)
 
 
-def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard) -> PostValidation:
+def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard,
+                          rollbacks: int = 0) -> PostValidation:
     """parallel.post_validation: the state each step reduces in the background, over communicators of its own
-    (every rank creates every group, in the same order)."""
+    (every rank creates every group, in the same order). `rollbacks`: those carried in the resumed checkpoint."""
     return PostValidation(sync, run.manifest.optimizer.grad_clip or float("inf"), new_group_along(mesh, "pp"),
-                          dist.new_group(backend="gloo"), guard.admit)
+                          dist.new_group(backend="gloo"), guard.admit, rollbacks)
 
 
 def build_stepper(run: Resolved, device: torch.device, training: Training, preempt: PreemptionFlag,
-                  guard: NonFiniteGuard) -> Stepper:
+                  guard: NonFiniteGuard, rollbacks: int = 0) -> Stepper:
     """Post-validated steps when the pipeline overlaps them (parallel.post_validation), synchronous ones
     otherwise: through the pipeline's schedule, or train_step over the whole model."""
     m, t = run.manifest, training
     after_step = kind_after_step(run, training)
     if t.pipeline is not None and t.pipeline.post_validation:  # each step's update applied at once, checked during the next
-        post = build_post_validation(run, t.sync, t.mesh, guard)
+        post = build_post_validation(run, t.sync, t.mesh, guard, rollbacks)
         return PostValidatedStep(t.pipeline, post, t.autocast, t.cp, preempt, after_step)
     if t.pipeline is not None:  # the schedule's actions over the pipeline ranks; cp: each stage gets this rank's slice
         def forward_backward(microbatches) -> torch.Tensor:

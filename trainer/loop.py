@@ -63,17 +63,19 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
     def hung(step: int | None, why: str) -> None:  # any rank that sees the hang says so
         RunStatus(run.run_dir, True).write("hung", step, why)
 
-    with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/run/watchdog.py
+    status = RunStatus(run.run_dir, info.is_rank0)
+    with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog, \
+            _failures_recorded(status):  # start-up and loading included: status.json is never left stale
         init_distributed(info, device, watchdog.collective_timeout_s,  # and: every rank sees the same directories
                          shared_dirs=(("run directory", run.run_dir), ("checkpoint directory", run.checkpoint_dir)))
         try:
-            return _train(run, info, device, on_finish, watchdog, preempt)
+            return _train(run, info, device, on_finish, watchdog, preempt, status)
         finally:
             shutdown_distributed()
 
 
 def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watchdog: HangWatchdog,
-           preempt: PreemptionFlag | None) -> TrainResult:
+           preempt: PreemptionFlag | None, status: RunStatus) -> TrainResult:
     m = run.manifest
     memory = RunMemory.start(run, info.rank, device)  # logging.memory: tensors, from before the model is built
     training = build_training(run, device)  # mesh -> seeded model parts -> grad sync + optimizer -> pipeline
@@ -82,18 +84,18 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     resumed = saves.resume(m.checkpoint.resume_from)
     _announce(run, info, device, resumed)
     first = resumed.step + 1 if resumed else 1
-    status = RunStatus(run.run_dir, info.is_rank0)
     status.write("running", first - 1)
     meter = build_meter(run, device, training)
     validation = build_run_validation(run, info.rank, device, training)  # data.valid: val_loss at train.eval_every
     own_flag = preempt is None
     preempt = PreemptionFlag().install() if own_flag else preempt  # a signal since start-up is kept
-    guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped)
+    carried = resumed.counters if resumed else {}  # skipped_steps, rollbacks: counted on across restarts
+    guard = NonFiniteGuard(m.train.on_nonfinite, m.train.max_skipped, carried.get("skipped_steps", 0))
     outcomes: list[StepOutcome] = []
     try:
-        with _failures_recorded(status, saves), \
+        with _nonfinite_recorded(status, saves), \
                 build_run_sinks(run, info.is_rank0, device, resumed.step if resumed else None) as sinks:
-            stepper = build_stepper(run, device, training, preempt, guard)  # synchronous or post-validated
+            stepper = build_stepper(run, device, training, preempt, guard, carried.get("rollbacks", 0))
             rows = MetricRows(sinks, meter, validation, guard, memory, kind_metrics(run, training), watchdog)
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
@@ -107,10 +109,11 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 sinks.advance(step)  # the console's live line, on a terminal
                 for outcome in outcomes:  # post-validation: the step before this one, and this one when final
                     rows.write(outcome, step)
-                saves.save_if_due(step, last)
+                counters = {"skipped_steps": guard.skipped, "rollbacks": stepper.rollbacks}  # the checkpoint carries them
+                saves.save_if_due(step, last, counters)
                 stop = next((o.stop for o in outcomes if o.stop), None)  # any rank's signal
                 if stop and not last:  # SIGTERM/USR1: requeue; SIGINT: stop
-                    saves.save_before_stop(step, saved)
+                    saves.save_before_stop(step, saved, counters)
                     status.write(stop.state, step)
                     raise stop(step)
             saves.finish(m.train.steps)
@@ -135,19 +138,27 @@ def _announce(run: Resolved, info: RankInfo, device: torch.device, resumed: Resu
 
 
 @contextmanager
-def _failures_recorded(status: RunStatus, saves: Saves):
-    """status.json says why a run ended early: `failed` with the step of a non-finite stop (once a save in
-    flight, which holds an earlier finite state, is committed), or with any other error. A requested stop
-    wrote its own state (requeued, interrupted) before it raised."""
+def _failures_recorded(status: RunStatus):
+    """status.json says why a run ended early: `failed` with the error, whenever it came after the run
+    directory was claimed (start-up, loading a checkpoint, a step). A requested stop wrote its own state
+    (requeued, interrupted) before it raised, a non-finite stop its own `failed` (`_nonfinite_recorded`)."""
     try:
         yield
-    except StopRequested:
+    except (StopRequested, NonFiniteStop):
         raise
+    except BaseException as exc:
+        status.write("failed", None, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+@contextmanager
+def _nonfinite_recorded(status: RunStatus, saves: Saves):
+    """A non-finite stop: `failed` with its step, once a save in flight (which holds an earlier finite
+    state) is committed."""
+    try:
+        yield
     except NonFiniteStop as exc:
         log.error("%s; nothing saved after it (the last committed checkpoint is kept)", exc)
         saves.wait()
         status.write("failed", exc.step, str(exc))
-        raise
-    except BaseException as exc:
-        status.write("failed", None, f"{type(exc).__name__}: {exc}")
         raise

@@ -45,6 +45,10 @@ class Stepper(Protocol):
         """Train step `step` on this rank's microbatches; the steps now final, oldest first. `final`: a save,
         an evaluation or the last step follows, so `step` itself must be final when this returns."""
 
+    @property
+    def rollbacks(self) -> int:
+        """Steps redone so far (parallel.post_validation), those a resumed checkpoint carried included."""
+
 
 def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
                cp: ContextShard | None = None, loss_fn: LossFn | HeadLoss = cross_entropy) -> torch.Tensor:
@@ -112,6 +116,10 @@ class SynchronousStep:
         self.after_step(applied)
         return [StepOutcome(step, loss, grad_norm, lr, stop)]
 
+    @property
+    def rollbacks(self) -> int:
+        return 0  # a synchronous step is final when it returns: none is redone
+
 
 class PostValidatedStep:
     """parallel.post_validation: each step's update is applied at once and checked during the next
@@ -134,3 +142,7 @@ class PostValidatedStep:
         for v in verdicts:
             self.after_step(v.applied)
         return [StepOutcome(v.step, v.loss, v.grad_norm, v.lr, stop_for(v.stop_code), v.rollbacks) for v in verdicts]
+
+    @property
+    def rollbacks(self) -> int:
+        return self.post.rollbacks

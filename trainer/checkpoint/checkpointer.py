@@ -1,7 +1,10 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic commit, keep-N, resume, reshard.
 
     <checkpoint dir>/
-      step-00000010/       DCP shards of the model and optimizer (+ .metadata), trainer.pt, rng-rank<R>.pt
+      step-00000010/       __<rank>_0.distcp (raw tensor chunks), metadata.json (where each chunk is),
+                           trainer.json (step, LR schedule, data position, counters), rng-rank<R>.safetensors,
+                           manifest.yaml, tokenizer.json (a run's own tokenizer, as read at its start: export
+                           takes it from here, never from a path the manifest names)
         COMMITTED          written by rank 0 only after every rank finished writing: the commit marker,
                            with the size and checksum of every file (trainer/checkpoint/integrity.py)
       latest               "step-00000010", replaced atomically after the commit
@@ -9,16 +12,21 @@
 Model and optimizer are saved in one layout-free form — parameter FQNs of the
 whole model, DTensor shards where the layout has them — so a checkpoint saved
 under one layout (dp4 zero2) loads under another (tp2 × dp2, one rank): DCP
-reads the pieces each rank needs. The step, the LR schedule and the data
-sampler position are global and saved once (trainer.pt); RNG states are per
-rank and restored only when the world size is unchanged.
+plans the pieces each rank needs. What DCP saves is tensors only: the
+optimizer's plain values (lr, betas, ... per parameter group) travel as small
+tensors of their JSON (trainer/checkpoint/values.py). The step, the LR schedule,
+the data sampler position and the `skipped_steps` and `rollbacks` counters are
+global and saved once (trainer.json); RNG states are per rank and restored only
+when the world size is unchanged (trainer/checkpoint/trainer_state.py).
 
-Every file of a checkpoint is treated as hostile:
-  - nothing is unpickled that did not pass a check: `.metadata` is compared with
-    its checksum (verify: full) and then unpickled with an allowlist of DCP's own
-    classes (always); our .pt files load with weights_only=True, after their
-    checksum; each rank verifies the shards it reads right before reading them
-    (trainer/checkpoint/storage.py says why that reads the disk once);
+Every file of a checkpoint is treated as hostile, and none is a pickle:
+  - mantra writes DCP's metadata as its own JSON and the tensors as raw bytes,
+    and reads them back through its own storage reader (trainer/checkpoint/storage.py,
+    dcp_metadata.py): nothing is unpickled, nothing imported because a file names
+    it, every JSON file bounded in size, depth and values before it is parsed
+    (trainer/checkpoint/plain.py); each file is compared with its checksum in
+    COMMITTED first (verify: full), each rank verifying the shards it reads right
+    before reading them;
   - nothing is read outside the root: auto-resume takes step directories
     directly inside it (trainer/checkpoint/paths.py), never a symlink, and says so when
     `latest` points elsewhere (which directories and how each is read: trainer/checkpoint/resume.py);
@@ -31,21 +39,24 @@ A directory without COMMITTED (a save killed half-way) is skipped with a
 warning; one that fails to load (a corrupted, refused or unverifiable file) is
 reported in one line naming the file and the previous committed checkpoint is
 used, on every rank alike. When committed checkpoints exist but none loads,
-the run stops rather than train from step 1 over them. Checkpoints committed
-before checksums were recorded (COMMITTED reads `step N`) cannot be verified:
-verify: full refuses them with that reason, verify: off loads them (the
-allowlist still guards the unpickling).
+the run stops rather than train from step 1 over them. checkpoint.keep counts
+only loadable checkpoints at or before the one just committed and deletes
+nothing else (trainer/checkpoint/prune.py).
+
+Checkpoints written by mantra before this format (DCP's pickled `.metadata`,
+trainer.pt and rng-rank<R>.pt read with torch.load) are refused with that
+reason, with any `checkpoint.verify`: their pickles could run code, segfault the
+loader or exhaust memory before any allowlist decides. Resume or export such a
+checkpoint with the mantra that wrote it.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,24 +64,29 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from trainer.checkpoint.dcp_metadata import METADATA
 from trainer.checkpoint.integrity import (
     COMMITTED,
-    checksum_bytes,
     checksum_file,
     gather_rank_checksums,
     is_rank_checksums,
     remove_rank_checksums,
     write_marker,
 )
-from trainer.checkpoint.paths import LATEST, committed_steps, step_dir, uncommitted_dirs
+from trainer.checkpoint.paths import LATEST, committed_steps, step_dir
 from trainer.checkpoint.preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
-from trainer.checkpoint.resume import one_line, read_checkpoint, resume_candidates, set_rng_state
-from trainer.checkpoint.storage import METADATA, ChecksummingWriter
+from trainer.checkpoint.prune import Pruner
+from trainer.checkpoint.resume import one_line, read_checkpoint, resume_candidates
+from trainer.checkpoint.storage import ChecksummingWriter
+from trainer.checkpoint.trainer_state import TRAINER, rng_bytes, rng_file, set_rng_state, trainer_bytes, write_file
+from trainer.checkpoint.values import as_tensors
 from trainer.optim import settle_kernels
+from trainer.run.state_files import replace_state
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.yaml"  # the run's resolved manifest, so a checkpoint explains itself (export reads it)
+TOKENIZER = "tokenizer.json"  # the run's own tokenizer (data.tokenizer other than byte), carried in every step
 __all__ = ["COMMITTED", "LATEST", "MANIFEST", "Checkpointer", "Resumed", "NonFiniteCheckpoint", "CheckpointUnusable"]
 
 
@@ -142,21 +158,24 @@ def first_nonfinite(state) -> str | None:
 class Resumed:
     step: int
     path: Path
+    counters: dict[str, int] = field(default_factory=dict)  # skipped_steps, rollbacks: carried on, not restarted
 
 
 class Checkpointer:
     """Saves and restores everything a run needs to continue as if it had never stopped.
 
     verify: "full" (or Verify.full) checks every file against the checksums in COMMITTED before it is read;
-    "off" trusts them (the restricted unpickler still applies). With `model` (and `sync` for its optimizer)
+    "off" trusts them (every bound on what is read still applies). With `model` (and `sync` for its optimizer)
     the space one checkpoint needs is checked at construction; without, only that the directory is writable.
     """
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device,
                  verify="full", model: torch.nn.Module | None = None, sync=None, every: int = 0,
-                 final: bool = True, asynchronous: bool = False):
+                 final: bool = True, asynchronous: bool = False, carried: dict[str, bytes] | None = None):
         """`every`, `final`, `asynchronous`: the cadence `due` and `maybe_save` follow (checkpoint.every,
-        checkpoint.final, checkpoint.async_save)."""
+        checkpoint.final, checkpoint.async_save). `carried`: files rank 0 writes into every step directory
+        (the run's tokenizer.json), checksummed in COMMITTED like the rest."""
+        self.carried = dict(carried or {})
         self.root = Path(root)
         self.every, self.final, self.asynchronous = every, final, asynchronous
         self.device = device
@@ -164,6 +183,7 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.verify = str(getattr(verify, "value", verify)) != "off"
+        self.pruner = Pruner(self.root, keep)
         self.need_bytes: int | None = None
         self._pending = None  # (future, step, directory, start time) of a background save
         self._async_group = None
@@ -185,16 +205,19 @@ class Checkpointer:
         `final` asks for it."""
         return (bool(self.every) and step % self.every == 0) or (last and (bool(self.every) or self.final))
 
-    def maybe_save(self, step: int, last: bool, sync, model, lr_schedule, loader, manifest_text: str = "") -> bool:
+    def maybe_save(self, step: int, last: bool, sync, model, lr_schedule, loader, manifest_text: str = "",
+                   counters: dict[str, int] | None = None) -> bool:
         """Save step `step` if it is `due` (in the background under `asynchronous`); whether it did."""
         if not self.due(step, last):
             return False
-        self.save(step, sync, model, lr_schedule, loader, manifest_text, self.asynchronous)
+        self.save(step, sync, model, lr_schedule, loader, manifest_text, self.asynchronous, counters)
         return True
 
-    def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "", asynchronous: bool = False) -> Path:
+    def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "", asynchronous: bool = False,
+             counters: dict[str, int] | None = None) -> Path:
         """Write step `step`. Synchronous: returns once committed. Asynchronous: returns once the state is
-        staged in host memory; the files are written in the background and committed by `poll`/`wait`."""
+        staged in host memory; the files are written in the background and committed by `poll`/`wait`.
+        `counters`: skipped_steps and rollbacks so far, which a resume carries on from."""
         self.wait()  # one save in flight at a time; the previous one commits first
         state = sync.state_dict(model)
         bad = first_nonfinite(state)
@@ -202,6 +225,7 @@ class Checkpointer:
             where = f"'{bad}'" if bad else "a tensor on another rank"
             raise NonFiniteCheckpoint(f"checkpoint step {step}: {where} holds NaN or inf; not saved "
                                       f"({self.root / LATEST} stays at the last good checkpoint)")
+        state = as_tensors(state)  # the optimizer's plain values as tensors: DCP gets tensors only
         target = step_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -211,12 +235,12 @@ class Checkpointer:
         start = time.perf_counter()
         try:
             target.mkdir(parents=True, exist_ok=True)
-            own = {f"rng-rank{self.rank}.pt": _write(target / f"rng-rank{self.rank}.pt", _torch_bytes(_rng_state()))}
+            own = {rng_file(self.rank): write_file(target / rng_file(self.rank), rng_bytes())}
             if self.rank == 0:
-                own["trainer.pt"] = _write(target / "trainer.pt", _torch_bytes({
-                    "step": step, "lr_schedule": lr_schedule.state_dict(), "loader": loader.state_dict(),
-                    "world_size": self.world_size}))
-                own[MANIFEST] = _write(target / MANIFEST, manifest_text.encode())
+                own[TRAINER] = write_file(target / TRAINER, trainer_bytes(step, self.world_size, lr_schedule, loader,
+                                                                          counters or {}))
+                own[MANIFEST] = write_file(target / MANIFEST, manifest_text.encode())
+                own |= {name: write_file(target / name, data) for name, data in self.carried.items()}
             writer = ChecksummingWriter(target, self.rank, own)
             if asynchronous:
                 # DCP's coordinator finishes only after every rank's shards are written (and their checksum
@@ -277,17 +301,8 @@ class Checkpointer:
                 files[extra.name] = checksum_file(extra)
         write_marker(target, step, files)
         remove_rank_checksums(target, self.world_size)
-        tmp = self.root / f".{LATEST}.tmp"
-        tmp.write_text(target.name + "\n")
-        os.replace(tmp, self.root / LATEST)
-        self._prune(step)
-
-    def _prune(self, newest: int) -> None:
-        for old in committed_steps(self.root)[self.keep:]:
-            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
-        for partial in uncommitted_dirs(self.root):
-            if int(partial.name[5:]) < newest:
-                shutil.rmtree(partial, ignore_errors=True)
+        replace_state(self.root / LATEST, (target.name + "\n").encode())  # never written through a planted link
+        self.pruner.after_commit(step)
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -298,13 +313,14 @@ class Checkpointer:
         for path in candidates:
             ok, error, loaded = True, "", None
             try:
-                loaded = read_checkpoint(path, self.rank, self.world_size, self.verify, sync, model)
+                loaded = read_checkpoint(path, self.rank, self.world_size, self.verify, sync, model, lr_schedule)
             except (Exception, CheckpointException) as exc:  # a corrupt, refused or missing file: every rank alike
                 ok, error = False, one_line(exc)
             if not _all_ok(ok, self.device):
                 if self.rank == 0 or not ok:
                     log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", path, error or "on another rank")
                 reasons.append(f"{path.name}: {error or 'failed on another rank'}")
+                self.pruner.failed(path)
                 continue
             state, trainer_state, rng = loaded
             sync.load_state_dict(model, state)
@@ -313,33 +329,9 @@ class Checkpointer:
             loader.load_state_dict(trainer_state["loader"])
             if rng is not None:
                 set_rng_state(rng)
-            return Resumed(step=int(trainer_state["step"]), path=path)
+            return Resumed(step=trainer_state["step"], path=path, counters=dict(trainer_state["counters"]))
         if candidates:
             raise CheckpointUnusable(
                 f"none of the {len(candidates)} committed checkpoint(s) in {self.root} can be loaded "
-                f"(newest: {reasons[0]}); move them aside to start anew"
-                + ("" if not self.verify else ", or set checkpoint.verify: off for checkpoints written before checksums"))
+                f"(newest: {reasons[0]}); move them aside to start anew")
         return None
-
-
-
-def _torch_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _write(path: Path, data: bytes) -> tuple[int, str]:
-    """Write a small file and return its (size, checksum), hashed from memory, not read back."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())  # like DCP's shards: on disk before the commit marker that vouches for it
-    return len(data), checksum_bytes(data)
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state

@@ -15,36 +15,45 @@ weights are read.
 The checkpoint is read as hostile, like a resume does (trainer/checkpoint/resume.py):
 the root's `latest` is followed only to a step directory inside the root, every
 file is checked against COMMITTED's checksums before it is read (verify=True),
-and `.metadata` is unpickled with the allowlist. Any refusal is an ExportError:
-one line naming the file, exit 2.
+and metadata.json and the raw chunks are read by mantra's own storage reader:
+no pickle. Any refusal is an ExportError: one line naming the file, exit 2.
 
 The tokenizer is the one the run trained with: a `data.tokenizer: byte` run's
 ids are raw byte values, written as a tokenizer.json whose ids are those bytes
 (so decoding what the model generates gives the same text); a run with its own
-tokenizer.json gets that file copied. Every file is written 0644: an export is
-meant to be shared (safetensors alone would write 0600).
+tokenizer.json gets the copy its checkpoint carries (stored in the step
+directory at save time, checksummed in COMMITTED): no path a checkpoint names
+is ever read.
+
+Export writes only inside OUT: a non-empty OUT is refused unless --force; each
+file is written under a temporary name created inside OUT and renamed into
+place, so a symlink planted in OUT is replaced, never written through. Files
+are 0644 (an export is meant to be shared) only when OUT was created by the
+export; in a directory that existed they are as the umask makes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST
+from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST, TOKENIZER
 from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
 from trainer.checkpoint.resume import one_line
-from trainer.checkpoint.storage import SafeLoadPlanner, TrustedReader
+from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
+from trainer.checkpoint.plain import PlainDataError
+from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader, legacy_checkpoint
+from trainer.manifest.errors import ManifestError
 from trainer.manifest.schema import Manifest
-from trainer.checkpoint.safe_unpickle import RefusedPickle
+from trainer.manifest.source import MAX_BYTES as MAX_MANIFEST_BYTES, parse_source
 
 
 class ExportError(ValueError):
@@ -67,12 +76,18 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def _read_manifest(step: Path, verify: bool):
-    """(COMMITTED's marker or None, the step's manifest), checked against the marker's checksums."""
+    """(COMMITTED's marker or None, the step's manifest), checked against the marker's checksums and parsed
+    within a manifest's own bounds (size, depth, values: an alias bomb stops at once, trainer/manifest/source.py)."""
     marker = read_marker(step) if verify else None
     if marker is not None and not marker.has_checksums:
-        raise ExportError(f"{step / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
-                          "them), so it cannot be verified; export it with verification off to trust it as is")
-    return marker, Manifest.model_validate(yaml.safe_load(read_verified(marker, step, MANIFEST, limit=16 << 20)))
+        raise ExportError(str(legacy_checkpoint(step, f"{COMMITTED} records no checksums")))
+    data = read_verified(marker, step, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    try:
+        tree = parse_source(data.decode("utf-8"), str(step / MANIFEST))
+    except (ManifestError, UnicodeDecodeError) as exc:
+        why = exc.diagnostics[0].message if isinstance(exc, ManifestError) else f"not UTF-8 text ({exc})"
+        raise ExportError(f"{step / MANIFEST}: {why}") from None
+    return marker, Manifest.model_validate(tree.data)
 
 
 def read_manifest(checkpoint: Path, verify: bool = True) -> Manifest:
@@ -80,28 +95,28 @@ def read_manifest(checkpoint: Path, verify: bool = True) -> Manifest:
     step = resolve_checkpoint(Path(checkpoint))
     try:
         return _read_manifest(step, verify)[1]
-    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+    except (IntegrityError, PlainDataError, OutsideCheckpoint) as exc:
         raise ExportError(str(exc)) from None
 
 
 def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, Manifest]:
     """The whole model of a checkpoint, in this one process, whatever layout saved it. verify=False skips
-    the checksums (for checkpoints written before they were recorded); the allowlist always applies."""
+    the checksums; every bound on what is read still applies."""
     from trainer.models import get_model_spec
 
     step = resolve_checkpoint(Path(checkpoint))
     try:
         marker, manifest = _read_manifest(step, verify)
         reader = TrustedReader(step, marker)
-        reader.read_metadata()  # checked and allowlisted before DCP sees it
+        reader.read_metadata()  # checked and bounded before DCP sees it
         spec = get_model_spec(manifest.model.kind)
         model = spec.build(manifest.model)
         spec.init_weights(model, 0)  # buffers; every parameter is overwritten below
         state = {"model": model.state_dict()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    except (IntegrityError, RefusedPickle, OutsideCheckpoint) as exc:
+            dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    except (IntegrityError, PlainDataError, OutsideCheckpoint) as exc:
         raise ExportError(str(exc)) from None
     except CheckpointException as exc:  # raised inside DCP's read (a shard's checksum): keep its last line
         raise ExportError(f"{step}: {one_line(exc)}") from None
@@ -109,51 +124,92 @@ def load_model(checkpoint: Path, verify: bool = True) -> tuple[torch.nn.Module, 
     return model, manifest
 
 
-def export_hf(checkpoint: Path, out: Path, verify: bool = True) -> Path:
-    from safetensors.torch import save_file
+def export_hf(checkpoint: Path, out: Path, verify: bool = True, force: bool = False) -> Path:
+    """Write the export into `out` (module docstring). A non-empty `out` is refused unless `force`."""
+    from safetensors.torch import save
 
     from trainer.models import HFMappingError, get_model_spec
 
-    cfg = read_manifest(checkpoint, verify).model
+    step = resolve_checkpoint(Path(checkpoint))
+    out = Path(out)
+    created = claim_out(out, force)
+    cfg = read_manifest(step, verify).model
     mapping = get_model_spec(cfg.kind).hf
     if mapping is None:
         raise ExportError(f"{checkpoint}: model.kind '{cfg.kind}' has no Hugging Face mapping (its ModelSpec.hf)")
     try:
         config = mapping.config(cfg)  # refuses what the architecture cannot hold before the weights are read
-        model, manifest = load_model(checkpoint, verify)
+        model, manifest = load_model(step, verify)
         tensors = {k: v.detach().contiguous().clone() for k, v in mapping.to_hf(model.state_dict(), cfg).items()}
     except HFMappingError as exc:
         raise ExportError(f"{checkpoint}: {exc}") from None
     if getattr(cfg, "tie_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it to the embedding
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(manifest, out)  # first: a missing tokenizer stops the export before the weights are written
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in EXPORTED_FILES:
-        os.chmod(out / name, 0o644)
+    mode = 0o644 if created else None  # shared only when the export made the directory
+    files = tokenizer_files(manifest, step, verify)  # first: a missing tokenizer stops the export before the weights
+    files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
+    files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    for name, data in files.items():
+        write_inside(out, name, data, mode)
     return out
 
 
 EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def write_tokenizer(manifest: Manifest, out: Path) -> None:
-    """tokenizer.json (the run's own, or the byte-level one) and the tokenizer_config.json that makes
-    `AutoTokenizer.from_pretrained(out)` load it as a plain fast tokenizer, not the model type's own."""
-    tokenizer = manifest.data.tokenizer
-    if tokenizer == "byte":
-        byte_level_tokenizer().save(str(out / "tokenizer.json"))
+def claim_out(out: Path, force: bool) -> bool:
+    """Create `out` (True), or accept an existing empty directory, or a non-empty one under `force` (False)."""
+    try:
+        out.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot create the export directory ({exc.strerror}); choose another") from None
+    if not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; choose another output directory")
+    if any(out.iterdir()) and not force:
+        raise ExportError(f"{out} is not empty; choose an empty or new directory, or pass --force to replace "
+                          f"the export's files in it")
+    return False
+
+
+def write_inside(out: Path, name: str, data: bytes, mode: int | None) -> None:
+    """`out/name` replaced by `data`: written under a temporary name created exclusively inside `out`, then
+    renamed over `name`, so a symlink planted at either name is replaced, never written through. `mode`:
+    0644 when the export created `out`; None leaves the new file as the umask makes it."""
+    tmp = out / f".{name}.export-tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of an export killed half-way; unlink removes a link, not its target
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666 if mode is None else 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+        os.replace(tmp, out / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def tokenizer_files(manifest: Manifest, step: Path, verify: bool) -> dict[str, bytes]:
+    """tokenizer.json (the one the checkpoint carries, or the byte-level one) and the tokenizer_config.json
+    that makes `AutoTokenizer.from_pretrained(out)` load it as a plain fast tokenizer, not the model type's
+    own. A path the checkpoint's manifest names is never read."""
+    if manifest.data.tokenizer == "byte":
+        tokenizer = byte_level_tokenizer().to_str().encode()
     else:
-        source = Path(os.path.expanduser(tokenizer))  # absolute in a resolved manifest; older ones: the cwd
-        if not source.is_file():
-            raise ExportError(f"the run's tokenizer {source} (data.tokenizer) is not a file any more; "
-                              "put it back, or export from the directory the run was started in")
-        shutil.copyfile(source, out / "tokenizer.json")
+        marker = read_marker(step) if verify else None
+        try:
+            tokenizer = read_verified(marker, step, TOKENIZER, limit=MAX_TOKENIZER_BYTES)
+        except IntegrityError as exc:
+            raise ExportError(f"{step}: the run's tokenizer is not in the checkpoint ({exc}); a checkpoint carries "
+                              f"its {TOKENIZER} since mantra stores it at save time: save one with this mantra") from None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": manifest.model.seq_len,
               "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
 def byte_level_tokenizer():

@@ -2,32 +2,33 @@
 
     resume_candidates(root, rank, resume_from)   committed step directories, newest first; or the one named
         -> [root/step-00000150, root/step-00000100, ...]
-    read_checkpoint(path, rank, world_size, verify, sync, model)
-        -> (DCP state, trainer.pt's state, this rank's RNG state or None)
+    read_checkpoint(path, rank, world_size, verify, sync, model, lr_schedule)
+        -> (model/optimizer state, trainer.json's state, this rank's RNG state or None)
 
 `checkpoint.resume_from` names a step (`150`: that one, or an older one if it cannot be loaded) or a step
 directory anywhere (the user's choice, but it must itself be committed; nothing in it is followed).
 Auto-resume takes step directories directly inside the root (trainer/checkpoint/paths.py) and says, on rank 0,
 when `latest` points elsewhere, when a `step-*` entry is a symlink and when a save did not finish. Reading
-checks COMMITTED's checksums (verify), unpickles `.metadata` through the allowlist
-(trainer/checkpoint/storage.py) and loads the .pt files with weights_only=True; the Checkpointer
-(trainer/checkpoint/checkpointer.py) agrees across ranks on whether a candidate loaded and falls back to the
-previous one.
+checks COMMITTED's checksums (verify), then reads metadata.json and the raw chunks (trainer/checkpoint/storage.py),
+trainer.json and rng-rank<R>.safetensors (trainer/checkpoint/trainer_state.py), each bounded and none of them a
+pickle; the optimizer's plain values come back from their JSON (trainer/checkpoint/values.py). The
+Checkpointer (trainer/checkpoint/checkpointer.py) agrees across ranks on whether a candidate loaded and falls
+back to the previous one.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint.integrity import COMMITTED, IntegrityError, read_marker, read_verified
+from trainer.checkpoint.integrity import COMMITTED, read_marker
 from trainer.checkpoint.paths import STEP_NAME, committed_steps, latest_problem, step_dir, stray_step_links, \
     uncommitted_dirs
-from trainer.checkpoint.storage import SafeLoadPlanner, TrustedReader
+from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader, legacy_checkpoint
+from trainer.checkpoint.trainer_state import read_rng_state, read_trainer_state, rng_file
+from trainer.checkpoint.values import placeholders, restored
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +61,21 @@ def resume_candidates(root: Path, rank: int, resume_from: str | None) -> list[Pa
     return [step_dir(root, s) for s in steps]
 
 
-def read_checkpoint(path: Path, rank: int, world_size: int, verify: bool, sync, model):
-    """Check, then read, one checkpoint on this rank: (DCP state, trainer state, rng state or None). The RNG
-    state is read only when the world size is the one that saved it."""
+def read_checkpoint(path: Path, rank: int, world_size: int, verify: bool, sync, model, lr_schedule):
+    """Check, then read, one checkpoint on this rank: (model/optimizer state, trainer state, RNG state or None).
+    The RNG state is read only when the world size is the one that saved it."""
     marker = read_marker(path) if verify else None
     if marker is not None and not marker.has_checksums:
-        raise IntegrityError(f"{path / COMMITTED} records no checksums (a checkpoint from before mantra recorded "
-                             "them), so it cannot be verified; set checkpoint.verify: off to load it unverified")
+        raise legacy_checkpoint(path, f"{COMMITTED} records no checksums")
     reader = TrustedReader(path, marker)
-    reader.read_metadata()  # checksum, allowlisted unpickling and file names: before DCP sees any of it
-    trainer_state = torch.load(io.BytesIO(read_verified(marker, path, "trainer.pt")), weights_only=True)
-    rng_name, rng = f"rng-rank{rank}.pt", None
-    if trainer_state["world_size"] == world_size and (path / rng_name).exists():
-        rng = torch.load(io.BytesIO(read_verified(marker, path, rng_name)), weights_only=True)
-    state = sync.state_dict(model)
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    return state, trainer_state, rng
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what the Checkpointer saved as rng-rank<R>.pt (CPU, and CUDA where there is one)."""
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    metadata = reader.read_metadata()  # checksum, bounds and file names: before DCP sees any of it
+    trainer_state = read_trainer_state(marker, path, lr_schedule)
+    rng = None
+    if trainer_state["world_size"] == world_size and (path / rng_file(rank)).exists():
+        rng = read_rng_state(marker, path, rank)
+    state, values = placeholders(sync.state_dict(model), metadata)
+    dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    return restored(state, values), trainer_state, rng
 
 
 def one_line(exc: BaseException) -> str:

@@ -2,8 +2,10 @@
 
     resumed = saves.resume(resume_from)      # the newest good checkpoint (or resume_from), loaded
     saves.due(step, last)                    # checkpoint.every, and the last step
-    saves.save_if_due(step, last)            # after the step's metrics rows; commits a finished background save
-    saves.save_before_stop(step, saved)      # a requested stop: this step on disk, whatever the cadence
+    saves.save_if_due(step, last, counters)  # after the step's metrics rows; commits a finished background save
+    saves.save_before_stop(step, saved, counters)  # a requested stop: this step on disk, whatever the cadence
+
+`counters` (skipped_steps, rollbacks) travel in each checkpoint, so a resumed run counts on from them.
     saves.finish(steps)                      # the last background save committed
 
 Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
@@ -11,11 +13,17 @@ Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.checkpointer import Checkpointer, Resumed
+from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer, Resumed
+from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
+from trainer.data.tokens import DataError
+from trainer.manifest.choices import DataSource
+from trainer.manifest.sections import DataSection
 
 
 @dataclass(frozen=True)
@@ -43,21 +51,21 @@ class Saves:
     def due(self, step: int, last: bool) -> bool:
         return self.ckpt.due(step, last)
 
-    def save_if_due(self, step: int, last: bool) -> None:
+    def save_if_due(self, step: int, last: bool, counters: dict[str, int]) -> None:
         """Save step `step` if the cadence asks (in the background under checkpoint.async_save), and commit
         a background save that has finished."""
         s = self.state
         if self.ckpt.due(step, last):
             self.watchdog.beat(step, "checkpoint save")
-        self.ckpt.maybe_save(step, last, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text)
+        self.ckpt.maybe_save(step, last, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters)
         self.ckpt.poll()
 
-    def save_before_stop(self, step: int, saved: bool) -> None:
+    def save_before_stop(self, step: int, saved: bool, counters: dict[str, int]) -> None:
         """Step `step` committed before the run stops on a signal (`saved`: the cadence already saved it)."""
         s = self.state
         self.watchdog.beat(step, "checkpoint save")
         if not saved:
-            self.ckpt.save(step, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text)
+            self.ckpt.save(step, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters=counters)
         self.ckpt.wait()
 
     def finish(self, steps: int) -> None:
@@ -68,3 +76,16 @@ class Saves:
     def wait(self) -> None:
         """A save in flight committed (it holds an earlier state than the failure that calls this)."""
         self.ckpt.wait()
+
+
+def carried_files(data: DataSection) -> dict[str, bytes]:
+    """The files every checkpoint of the run carries besides its state: the run's own tokenizer.json, read
+    once at the start (what the run tokenizes with), so an export takes it from the checkpoint."""
+    if DataSource(data.source) is not DataSource.text or data.tokenizer == "byte":
+        return {}
+    path = Path(os.path.expanduser(data.tokenizer))
+    with open(path, "rb") as f:
+        tokenizer = f.read(MAX_TOKENIZER_BYTES + 1)
+    if len(tokenizer) > MAX_TOKENIZER_BYTES:
+        raise DataError(f"data.tokenizer: {path} is over {MAX_TOKENIZER_BYTES >> 20} MiB; use a smaller tokenizer.json")
+    return {TOKENIZER: tokenizer}

@@ -40,8 +40,10 @@ class Blend:
     def __init__(self, weights: Sequence[float]) -> None:
         if not weights or any(not w > 0 for w in weights):
             raise ValueError(f"blend weights must be positive, got {list(weights)}")
-        total = float(sum(weights))
-        self.weights = [float(w) / total for w in weights]
+        largest = max(float(w) for w in weights)  # divided first: [1.5e308, 1e308] sums to inf, not to 2.5e308
+        scaled = [float(w) / largest for w in weights]
+        total = sum(scaled)
+        self.weights = [w / total for w in scaled]
         n = len(self.weights)
         self.slack = 1.0 / (2 * n - 2) if n > 1 else 0.0
         self._pos, self._counts = 0, [0] * n

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.corpus.index import index_path
+from trainer.data.tokenizer_file import tokenizer_problem
 from trainer.data.tokens import BYTE_VOCAB, TOKEN_DTYPES, file_problem, resolve_path
 from trainer.manifest.choices import DataSource, TokenDtype
 from trainer.manifest.sections import DataSection
@@ -65,8 +66,11 @@ def check_data(
         return errors
     if src is DataSource.text and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
         errors.append(("tokenizer", f"byte-level text needs model.vocab >= 256, got {vocab}; raise model.vocab"))
-    if src is DataSource.text and data.tokenizer != "byte" and (problem := file_problem(resolve_path(data.tokenizer, base_dir))):
-        errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
+    if src is DataSource.text and data.tokenizer != "byte":
+        if problem := file_problem(resolve_path(data.tokenizer, base_dir)):
+            errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
+        elif problem := tokenizer_problem(resolve_path(data.tokenizer, base_dir), vocab):  # size, ids, regexes
+            errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}"))
     if data.sources and data.path:
         return errors + [("sources", "set data.path (one file) or data.sources (a blend), not both; remove one")]
     if not data.sources and not data.path:

@@ -52,7 +52,11 @@ def _hf_tokenizer(path: str | Path) -> Any:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise DataError(f"tokenizer '{path}' needs the `tokenizers` package; pip install tokenizers") from exc
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+        raise DataError(f"tokenizer '{path}' cannot be loaded ({str(exc).strip()[:200]}); use a tokenizer.json "
+                        "saved by Hugging Face tokenizers, or 'byte'") from None
 
 
 def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int]:
@@ -64,5 +68,11 @@ def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"text is not valid UTF-8 at byte {exc.start}; re-encode the file as UTF-8") from exc
-    ids = tok.encode(text, add_special_tokens=False).ids
+    try:
+        ids = tok.encode(text, add_special_tokens=False).ids
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a Rust panic (a regex past its retry limit) is a BaseException
+        raise DataError(f"tokenizer '{tokenizer}' fails on this text ({str(exc).strip()[:200]}); use a tokenizer "
+                        "whose regexes do not backtrack, or 'byte'") from None
     return np.asarray(ids, dtype=np.int64), int(tok.get_vocab_size(with_added_tokens=True))

@@ -240,6 +240,8 @@ def apply_override(tree: SourceTree, override: str) -> None:
     parts = tuple(p for p in key.strip().split("."))
     if not sep or not key.strip() or any(not p for p in parts):
         raise ManifestError([Diagnostic(where, "", "overrides look like section.key=value, e.g. parallel.tp=2")])
+    if len(parts) > MAX_DEPTH:  # the key path itself nests as deep as it is long
+        raise ManifestError([Diagnostic(where, ".".join(parts[:3]) + ".…", _too_deep("the key path nests"))])
     value = _override_value(raw, where, ".".join(parts))
     target: Any = tree.data
     for depth, part in enumerate(parts[:-1]):

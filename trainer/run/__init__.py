@@ -9,4 +9,5 @@
     preempt.py      signals: save at the next step boundary, then leave with a code that says why
     nonfinite.py    a NaN or inf loss or gradient norm: stop, or skip that update
     status.py       <run dir>/status.json, what a run says about itself (torch-free)
+    state_files.py  lock and state files opened O_NOFOLLOW, regular files only, replaced by rename (torch-free)
 """

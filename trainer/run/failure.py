@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.run.state_files import read_state, replace_state
 
 FAULTS_DIR = "faults"
 USAGE, FATAL, STOPPED, HUNG, ERROR = "usage", "fatal", "stopped", "hung", "error"
@@ -90,10 +91,8 @@ def record(run_dir: Path, rank: int, step: int | None, phase: str, kind: str, er
         folder = Path(run_dir) / FAULTS_DIR
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{rank}.json"
-        tmp = folder / f".rank{rank}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"rank": rank, "host": socket.gethostname(), "step": step, "phase": phase,
-                                   "kind": kind, "error": error[:_MAX_ERROR], "time": time.time()}) + "\n")
-        os.replace(tmp, path)
+        replace_state(path, (json.dumps({"rank": rank, "host": socket.gethostname(), "step": step, "phase": phase,
+                                         "kind": kind, "error": error[:_MAX_ERROR], "time": time.time()}) + "\n").encode())
 
 
 def read(run_dir: Path) -> list[Failure]:
@@ -103,9 +102,10 @@ def read(run_dir: Path) -> list[Failure]:
     with contextlib.suppress(OSError):
         for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
             with contextlib.suppress(OSError, ValueError, TypeError, KeyError, RecursionError):
-                if path.stat().st_size > 4 * _MAX_ERROR:
+                data = read_state(path, 4 * _MAX_ERROR)  # a link, a FIFO or an oversized file: skipped
+                if data is None:
                     continue
-                raw = json.loads(path.read_text(encoding="utf-8"))
+                raw = json.loads(data)
                 step = raw.get("step")
                 out.append(Failure(rank=int(raw["rank"]), host=str(raw.get("host", "?"))[:200],
                                    step=step if isinstance(step, int) and not isinstance(step, bool) else None,

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer.run.state_files import open_state, read_state, replace_state
+
 LEDGER = "faults.json"
 PROGRESS = "progress"
 KEEP_SAVES = 64  # checkpoint steps remembered (resume points); a run keeps far fewer checkpoints
@@ -131,18 +133,16 @@ def load(run_dir: Path) -> Ledger:
     """The run's ledger; a fresh one when there is none or it is not one mantra wrote."""
     path = Path(run_dir) / LEDGER
     with contextlib.suppress(OSError, ValueError, RecursionError):
-        if path.is_file() and path.stat().st_size <= _MAX_BYTES:
-            return _parse(json.loads(path.read_text(encoding="utf-8")))
+        data = read_state(path, _MAX_BYTES)  # a link, a FIFO or an oversized file: None
+        if data is not None:
+            return _parse(json.loads(data))
     return Ledger()
 
 
 def save(run_dir: Path, ledger: Ledger) -> None:
-    path = Path(run_dir) / LEDGER
-    tmp = path.with_name(f"{LEDGER}.tmp{os.getpid()}")
     record = asdict(ledger)
     record["saves"] = {str(k): v for k, v in sorted(ledger.saves.items())}
-    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_state(Path(run_dir) / LEDGER, (json.dumps(record) + "\n").encode())
 
 
 def update(run_dir: Path, change: Callable[[Ledger], object]) -> Ledger:
@@ -159,7 +159,7 @@ class Progress:
     """<run dir>/progress: `step useful_s`, rewritten in place after every step (one pwrite)."""
 
     def __init__(self, run_dir: Path):
-        self._fd = os.open(Path(run_dir) / PROGRESS, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._fd = open_state(Path(run_dir) / PROGRESS, os.O_WRONLY | os.O_CREAT)  # never through a link
 
     def write(self, step: int, useful_s: float) -> None:
         line = f"{step} {useful_s:.6f}".ljust(_PROGRESS_WIDTH - 1)[:_PROGRESS_WIDTH - 1] + "\n"
@@ -174,7 +174,6 @@ class Progress:
 def read_progress(run_dir: Path) -> tuple[int, float] | None:
     """(last step done, useful seconds at it) as the last attempt left them, or None."""
     with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
-        with open(Path(run_dir) / PROGRESS, "rb") as f:
-            step, useful = f.read(_PROGRESS_WIDTH).decode().split()[:2]
+        step, useful = (read_state(Path(run_dir) / PROGRESS, 1 << 12) or b"")[:_PROGRESS_WIDTH].decode().split()[:2]
         return max(0, int(step)), max(0.0, _number(float(useful), 0.0))
     return None

@@ -45,9 +45,10 @@ class NonFiniteGuard:
     """Counts skipped steps and decides, from the verdict every rank agreed on, whether a step's
     update is applied (True), dropped (False), or ends the run (NonFiniteStop)."""
 
-    def __init__(self, policy: OnNonFinite, max_skipped: int):
+    def __init__(self, policy: OnNonFinite, max_skipped: int, skipped: int = 0):
+        """`skipped`: the steps a resumed run had skipped before its checkpoint (carried in it)."""
         self.policy, self.max_skipped = OnNonFinite(policy), max_skipped
-        self.skipped = 0  # steps skipped since this process started
+        self.skipped = skipped  # steps skipped in this run, across restarts
         self.in_a_row = 0
 
     def admit(self, step: int, bad: bool, loss: float, grad_norm: float) -> bool:

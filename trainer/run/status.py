@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from trainer.run import ledger
+from trainer.run.state_files import read_state, replace_state
 
 
 class RunStatus:
@@ -43,9 +43,7 @@ class RunStatus:
             self._replace(current | live(self.path.parent).summary(now) | {"time": now})
 
     def _replace(self, record: dict) -> None:
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")  # any rank may write `hung`
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+        replace_state(self.path, (json.dumps(record) + "\n").encode())  # any rank may write `hung`; never through a link
 
     def read(self) -> dict:
         return read_status(self.path.parent)
@@ -63,8 +61,8 @@ def live(run_dir: Path) -> ledger.Ledger:
 def read_status(run_dir: Path) -> dict:
     """The run's own status file; {} when there is none or it is not a mapping."""
     try:
-        status = json.loads((Path(run_dir) / "status.json").read_text())
-    except (OSError, ValueError):
+        status = json.loads(read_state(Path(run_dir) / "status.json") or b"{}")  # a link or FIFO: not read
+    except (ValueError, RecursionError):
         return {}
     return status if isinstance(status, dict) else {}
 

@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from trainer.checkpoint.plain import PlainDataError, bounded_json
 from trainer.data.corpus import CorpusError
 from trainer.data.corpus.index import DTYPES, IndexWriter, index_path, temp_path
 from trainer.data.corpus.pool import ordered_map
 from trainer.data.corpus.progress import Bar
 from trainer.data.corpus.readers import Chunk, documents, find_sources, iter_chunks
+from trainer.data.tokenizer_file import MAX_DEPTH, MAX_TOKENIZER_BYTES, regexes, unsafe_regex
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0
@@ -53,6 +55,18 @@ def _load_hf(path: str) -> Any:
                           "saved by Hugging Face tokenizers, or 'byte'") from None
 
 
+def _tokenizer_tree(path: str) -> Any:
+    """The tokenizer.json's JSON within bounds (its size, depth and value count)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_TOKENIZER_BYTES + 1)
+    if len(data) > MAX_TOKENIZER_BYTES:
+        raise CorpusError(f"tokenizer '{path}' is over {MAX_TOKENIZER_BYTES >> 20} MiB; pass a smaller tokenizer.json")
+    try:
+        return bounded_json(data, f"tokenizer '{path}'", MAX_DEPTH, len(data) // 2 + 16, "not a tokenizer.json")
+    except PlainDataError as exc:
+        raise CorpusError(f"{exc}; pass a tokenizer.json saved by Hugging Face tokenizers") from None
+
+
 def load_spec(tokenizer: str = "byte", *, eos: str | None = None, dtype: str | None = None) -> TokenizerSpec:
     """Check the tokenizer, find its EOS id and the token width; CorpusError says how to fix what is wrong."""
     if tokenizer == "byte":
@@ -62,6 +76,10 @@ def load_spec(tokenizer: str = "byte", *, eos: str | None = None, dtype: str | N
     else:
         if not Path(tokenizer).is_file():
             raise CorpusError(f"tokenizer '{tokenizer}' is not a file; pass 'byte' or a local tokenizer.json")
+        for pattern in regexes(_tokenizer_tree(tokenizer)):  # the shape that backtracks without end is refused
+            if (why := unsafe_regex(pattern)) is not None:
+                raise CorpusError(f"tokenizer '{tokenizer}': regex {pattern[:60]!r} {why}; use a pattern "
+                                  "without nested repetition")
         tok = _load_hf(tokenizer)
         vocab = int(tok.get_vocab_size(with_added_tokens=True))
         specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}

@@ -70,11 +70,12 @@ class PostValidation:
     """One pipeline rank's post-validated optimizer steps (module docstring)."""
 
     def __init__(self, sync, max_norm: float, pp_group: dist.ProcessGroup, world_group: dist.ProcessGroup,
-                 decide: Decide) -> None:
+                 decide: Decide, rollbacks: int = 0) -> None:
+        """`rollbacks`: the steps a resumed run had redone before its checkpoint (carried in it)."""
         self.sync, self.max_norm, self.decide = sync, max_norm, decide
         self.pp_group, self.world_group = pp_group, world_group
         self.pending: _Pending | None = None
-        self.rollbacks = 0
+        self.rollbacks = rollbacks
         self.finished: list[Verdict] = []
 
     @torch.no_grad()
