@@ -16,11 +16,8 @@ state holds one parameter group in 2.11 and a list from 2.12 on. So:
   refused there; the table is where a newer-only API would say so.
 
 Public APIs are preferred wherever they exist (`dist.reduce_scatter_tensor`, not 2.13's newer
-`reduce_scatter_single` alias): those need no entry here. Checkpoints are one such case: mantra's DCP
-storage (trainer/checkpoint/storage.py, dcp_metadata.py) builds only the metadata classes in
-torch.distributed.checkpoint.metadata's `__all__` and implements the public StorageReader/StorageWriter
-interfaces, so neither DCP's private `_StorageInfo` (whose fields grew `transform_descriptors`) nor its
-pickled `.metadata` layout is relied on.
+`reduce_scatter_single` alias): those need no entry here, checkpoints included (trainer/checkpoint/
+dcp_metadata.py builds only DCP metadata's `__all__` classes, through the public storage interfaces).
 """
 
 from __future__ import annotations
