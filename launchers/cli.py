@@ -328,7 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Every command, also `--help`, ends quietly with 0 when its reader leaves early (`mantra runs | head -1`):
+    trainer/report/pipes.py."""
+    from trainer.report.pipes import closed_stdout_tolerated
+
+    code = EXIT_OK
+    with closed_stdout_tolerated():
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is caught above
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or an argparse usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
         return args.fn(args)
     except ManifestError as exc:
