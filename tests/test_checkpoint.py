@@ -137,7 +137,7 @@ def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
     again = start(path, 2)
     wait_for_step(tmp_path / "victim", int(latest[5:]) + 12, again)
     kill_group(again)
-    assert f"resuming from {tmp_path / 'victim/ckpt' / latest}" in again.stderr.read()
+    assert f"  resume     from {tmp_path / 'victim/ckpt' / latest} (step {int(latest[5:])})" in again.stdout.read()
     steps = [r["step"] for r in read_jsonl(tmp_path / "victim/metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= int(latest[5:]) + 12, steps
 

@@ -127,9 +127,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
 
 
 def _announce(run: Resolved, info: RankInfo, device: torch.device, resumed: Resumed | None) -> None:
-    """Rank 0, before the first step: the checkpoint a resumed run continues from, and the banner."""
-    if resumed and info.is_rank0:
-        log.info("resuming from %s (step %d)", resumed.path, resumed.step)
+    """Rank 0, before the first step: the banner, which names the checkpoint a resumed run continues from."""
     if info.is_rank0:  # what this run is about to do, before its first step
         print_banner(run, device, uses_bf16(run, device), (resumed.path, resumed.step) if resumed else None)
 
