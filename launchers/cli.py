@@ -86,11 +86,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_OK
     try:
         check_writable(run.checkpoint_dir)  # before any rank starts, so `--nproc N` exits 2 as well
-        return run_local(run)
+        return run_local(run, again=again_command(args), verbose=args.verbose)
     except (DataError, CheckpointDirError) as exc:  # data: found only when read (e.g. an id beyond the vocab)
         raise BadInput(f"{run.source}: {exc}") from None
     finally:
         claim.lock.release()
+
+
+def again_command(args: argparse.Namespace) -> str:
+    """The `mantra run` that continues this one: the same manifest, ranks and overrides, without --fresh and
+    --from (what the end-of-run summary tells the user to type)."""
+    import shlex
+
+    words = ["mantra", "run", args.manifest, *(["--nproc", str(args.nproc)] if args.nproc is not None else [])]
+    for override in args.set or []:
+        words += ["--set", override]
+    return shlex.join(words)
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
@@ -235,6 +246,8 @@ def add_local_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="resume from this step or checkpoint directory instead of the latest committed one")
     add_fresh_argument(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="log records with time, level, rank and logger (default: one plain line per event)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")
