@@ -33,7 +33,8 @@ SMALLEST = {
 
 def test_every_bench_has_a_smoke_test():
     covered = set(SMALLEST) | {"gpu_mfu", "gpu_suite", "moe", "wheels"}
-    assert {p.stem for p in (ROOT / "bench").glob("*.py")} == covered
+    benches = {p.stem for p in (ROOT / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text()}
+    assert benches == covered  # a module without a main (moe_layers, moe_timing, moe_ep) is a part of one
 
 
 @pytest.mark.parametrize("bench", sorted(SMALLEST))
