@@ -55,6 +55,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     overrides = list(args.set or []) + ([f"launcher.nproc={args.nproc}"] if args.nproc is not None else [])
     for path in args.manifests:
         try:
+            if args.show:  # the values as read, bases merged in, each with the file and line that set it
+                from launchers.show import show
+
+                print("\n".join([f"# {path}", *show(path, overrides)]))
             run, warnings = load_manifest(path, overrides)
         except ManifestError as exc:
             _print(exc.diagnostics + exc.warnings)
@@ -238,6 +242,8 @@ def add_local_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
     add_manifest_arguments(p, many=True)
     add_nproc_argument(p)
+    p.add_argument("--show", action="store_true",
+                   help="print the manifest as read, its `extends:` bases merged in, each value with where it was set")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")
