@@ -173,7 +173,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(manifest_json_schema(), indent=2))
+    if args.keys is None:
+        print(json.dumps(manifest_json_schema(), indent=2))
+        return EXIT_OK
+    from launchers.schema_keys import UnknownSection, key_rows, table
+
+    try:
+        print("\n".join(table(key_rows(manifest_json_schema(), args.keys or None))))
+    except UnknownSection as exc:
+        raise BadInput(str(exc)) from None
     return EXIT_OK
 
 
@@ -312,7 +320,9 @@ def add_submit_command(sub: argparse._SubParsersAction) -> None:
 
 def add_info_commands(sub: argparse._SubParsersAction) -> None:
     """schema, models, export: no manifest, no training."""
-    p = sub.add_parser("schema", help="print the manifest's JSON Schema")
+    p = sub.add_parser("schema", help="print the manifest's JSON Schema (--keys: a table of keys to read)")
+    p.add_argument("--keys", nargs="?", const="", metavar="SECTION",
+                   help="a table of key, type, default, bounds and help, of every section or of SECTION (e.g. train)")
     p.set_defaults(fn=cmd_schema)
 
     p = sub.add_parser("models", help="list the installed model kinds")
