@@ -136,7 +136,10 @@ def say_summary(run: Resolved, again: str, wall_s: float) -> None:
     native = sum(native_lines(p) for p in sorted(logs.glob("rank*.log"))) if logs.is_dir() else 0
     ending = Ending(run.manifest.name, run.manifest.train.steps, run.run_dir, run.checkpoint_dir, wall_s, again,
                     run.run_dir / "hf")
-    print_line("\n".join(summary_lines(ending, native=(native, logs), device_cpu=not cuda_visible())))
+    from trainer.report.console import terminal_width
+
+    print_line("\n".join(summary_lines(ending, native=(native, logs), device_cpu=not cuda_visible(),
+                                        width=terminal_width())))
 
 
 def cuda_visible() -> bool:

@@ -106,3 +106,19 @@ def test_an_interrupted_or_failed_runs_summary_names_the_resume_command(tmp_path
     text = "\n".join(summary_lines(ending))
     assert text.startswith(f"tiny {says} at step 20/30"), text
     assert "mantra run tiny.yaml   (resumes from step 20)" in text
+
+
+def test_a_failed_run_without_a_checkpoint_and_a_narrow_terminal(tmp_path):
+    run_dir = tmp_path / "run"
+    write_run(run_dir, "failed", 2, [5.5])
+    for p in (run_dir / "ckpt").iterdir():
+        (p / COMMITTED).unlink(missing_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "failed", "step": 2, "error": "step 2: non-finite "
+                                                     "loss or gradient norm (here: loss 5.545, grad_norm nan)"}))
+    again = "mantra run manifests/tiny-cpu.yaml --set optimizer.lr=1e30 --set logging.every=1"
+    lines = summary_lines(Ending("tiny", 30, run_dir, run_dir / "ckpt", 5.0, again, run_dir / "hf"), width=80)
+    assert all(len(line) <= 80 for line in lines), lines
+    text = " ".join(line.strip() for line in lines)
+    assert "speed 1,000 tok/s (mean of 1 log step);" in " ".join(text.split()) and "checkpoint none committed" in text
+    assert f"next fix what failed, then {again} (starts again from step 1: nothing was saved)" in " ".join(text.split())
+    assert re.match(r" {13}\S", lines[2]) and lines[1].startswith("  error      step 2: non-finite")

@@ -107,7 +107,7 @@ def metric_rows(rows: list[dict[str, Any]], device_cpu: bool) -> dict[str, str]:
         out["val_loss"] = f"final {vals[-1][1]:.4f}, best {best[1]:.4f} (step {best[0]})"
     rates, mfus = column(rows, "tokens_per_s"), column(rows, "mfu")
     if rates:
-        speed = f"{sum(r for _, r in rates) / len(rates):,.0f} tok/s (mean of {len(rates)} log steps); "
+        speed = f"{sum(r for _, r in rates) / len(rates):,.0f} tok/s (mean of {len(rates)} log step{'s' * (len(rates) != 1)}); "
         mfu = (f"mfu {sum(m for _, m in mfus) / len(mfus):.1%}" if mfus
                else "mfu n/a (cpu)" if device_cpu else "mfu n/a (unknown peak)")
         out["speed"] = speed + mfu
@@ -122,17 +122,18 @@ def next_command(state: str | None, ending: Ending, checkpoint: Path | None) -> 
     """What to run next: an export of a completed run, else the command that resumes it."""
     if state == "completed":
         return f"mantra export {ending.checkpoint_dir} --to hf {ending.export_dir}"
-    if checkpoint is None:
-        return f"{ending.again}   (starts again from step 1: nothing was saved)"
-    step = int(checkpoint.name.split("-")[1])
     fix = "fix what failed, then " if state in ("failed", "hung") else ""
-    return f"{fix}{ending.again}   (resumes from step {step})"
+    if checkpoint is None:
+        return f"{fix}{ending.again}   (starts again from step 1: nothing was saved)"
+    return f"{fix}{ending.again}   (resumes from step {int(checkpoint.name.split('-')[1])})"
 
 
 def summary_lines(ending: Ending, status: dict | None = None, rows: list[dict] | None = None,
-                  native: tuple[int, Path] | None = None, device_cpu: bool = True) -> list[str]:
+                  native: tuple[int, Path] | None = None, device_cpu: bool = True,
+                  width: int | None = None) -> list[str]:
     """The summary of `ending`'s run from `status` (status.json) and `rows` (metrics.jsonl), each read from the
-    run directory when not given; `native`: (lines, log directory) of torch's own output, when any."""
+    run directory when not given; `native`: (lines, log directory) of torch's own output, when any; `width`:
+    the terminal's columns (a long row wraps under its own column; None: one line each)."""
     status = read_status(ending.run_dir) if status is None else status
     rows = read_rows(ending.run_dir) if rows is None else rows
     state = status.get("state") if isinstance(status.get("state"), str) else None
@@ -153,4 +154,4 @@ def summary_lines(ending: Ending, status: dict | None = None, rows: list[dict] |
     if native is not None and native[0]:
         table["torch"] = f"{native[0]} line{'s' * (native[0] != 1)} of its own C++ output in {native[1]}/rank*.log"
     table["next"] = next_command(state, ending, checkpoint)
-    return [head] + labelled(table)
+    return [head] + labelled(table, width)
