@@ -122,3 +122,30 @@ def test_a_failed_run_without_a_checkpoint_and_a_narrow_terminal(tmp_path):
     assert "speed 1,000 tok/s (mean of 1 log step);" in " ".join(text.split()) and "checkpoint none committed" in text
     assert f"next fix what failed, then {again} (starts again from step 1: nothing was saved)" in " ".join(text.split())
     assert re.match(r" {13}\S", lines[2]) and lines[1].startswith("  error      step 2: non-finite")
+
+
+def test_an_moe_banner_names_total_and_active_parameters_and_wraps_at_the_width():
+    from conftest import ROOT
+    from trainer.manifest import load_manifest
+    from trainer.report.banner import active_parameters, banner_lines
+
+    run, _ = load_manifest(ROOT / "manifests/moe-tiny-cpu.yaml")
+    active = active_parameters(run)
+    lines = banner_lines(run, params=active * 2, device="cpu", threads=2, bf16=False, resumed_from=None,
+                         active=active, width=80)
+    text = " ".join(" ".join(lines).split())
+    assert f"moe, {active * 2:,} parameters" in text and f", {active:,} active per token" in text
+    assert all(len(line) <= 80 for line in lines), lines
+
+
+def test_rank0s_events_are_plain_lines_and_verbose_adds_time_level_and_logger():
+    import logging
+
+    from launchers.rank import ConsoleFormatter
+
+    def record(level: int, msg: str) -> logging.LogRecord:
+        return logging.LogRecord("trainer.checkpoint", level, __file__, 1, msg, (), None)
+
+    plain = ConsoleFormatter("%(message)s")
+    assert plain.format(record(logging.INFO, "checkpoint step 50 saved")) == "checkpoint step 50 saved"
+    assert plain.format(record(logging.WARNING, "disk is slow")) == "warning: disk is slow"
