@@ -138,7 +138,7 @@ def test_an_moe_banner_names_total_and_active_parameters_and_wraps_at_the_width(
     assert all(len(line) <= 80 for line in lines), lines
 
 
-def test_rank0s_events_are_plain_lines_and_verbose_adds_time_level_and_logger():
+def test_rank0s_events_are_plain_lines_and_a_warning_says_so():
     import logging
 
     from launchers.rank import ConsoleFormatter
