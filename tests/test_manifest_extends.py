@@ -86,6 +86,8 @@ def test_a_cycle_and_a_chain_too_deep_are_refused_where_the_extends_is(tmp_path)
         (tmp_path / f"d{i}.yaml").write_text(f"extends: d{i + 1}.yaml\n")
     (tmp_path / f"d{MAX_EXTENDS + 1}.yaml").write_text(BASE)
     assert f"more than {MAX_EXTENDS} files extend one another" in error_of(tmp_path / "d0.yaml")
+    (tmp_path / "gone.yaml").write_text(f"name: x\nextends: [d{MAX_EXTENDS + 1}.yaml, nope.yaml]\n")
+    assert error_of(tmp_path / "gone.yaml").startswith(f"{tmp_path / 'gone.yaml'}:2:20: error: extends: nope.yaml: no such")
     (tmp_path / "bad.yaml").write_text("extends: [3]\n")
     assert error_of(tmp_path / "bad.yaml").startswith(f"{tmp_path / 'bad.yaml'}:1:10: error: extends: names the base")
 

@@ -44,12 +44,13 @@ def _load(path: Path, source: str, chain: tuple[Path, ...]) -> SourceTree:
         return tree
     where = tree.locate((KEY,))
     bases = _bases(tree.data.pop(KEY), where)
+    at_item = [tree.value_locations.get((KEY, i), where) for i in range(len(bases))]  # each name's own place
     _forget(tree, (KEY,))
     chain = chain + (path.resolve(),)
     merged: SourceTree | None = None
     for i, name in enumerate(bases):
         base = path.parent / name
-        at = tree.value_locations.get((KEY, i), where)
+        at = at_item[i]
         if base.resolve() in chain:
             loop = " -> ".join(p.name for p in chain + (base.resolve(),))
             raise ManifestError([Diagnostic(at, KEY, f"{name} is already in the chain ({loop}), a cycle; "
@@ -57,6 +58,9 @@ def _load(path: Path, source: str, chain: tuple[Path, ...]) -> SourceTree:
         if len(chain) >= MAX_EXTENDS:
             raise ManifestError([Diagnostic(at, KEY, f"more than {MAX_EXTENDS} files extend one another; "
                                                      "flatten the chain")])
+        if not base.is_file():
+            raise ManifestError([Diagnostic(at, KEY, f"{name}: no such file in {path.parent}; check the path "
+                                                     "(it is read against this file's directory)")])
         loaded = _inherited(_load(base, str(base), chain), source)
         merged = loaded if merged is None else _merge(merged, loaded)
     return tree if merged is None else _merge(merged, tree)
