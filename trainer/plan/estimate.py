@@ -23,6 +23,7 @@ from trainer.plan import memory
 from trainer.plan.model_states import states
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
+from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
 from trainer.plan.model import PlanModel
 from trainer.plan.shapes import local_numel, plan_buckets, rank_layers, stage_ranks
@@ -160,29 +161,10 @@ def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
 @functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
 def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
                       options: tuple = ()) -> tuple[tuple[memory.Moment, ...], ...]:
-    from trainer.parallel.pipeline import Kind
-    from trainer.plan.schedule import lists
+    from trainer.plan.schedule import layout, lists
 
-    last = pp * v - 1
-    out = []
-    for actions in lists(schedule, pp, microbatches, v, options):
-        held = pending = head = 0
-        warm, seen = False, set()
-        for a in actions:
-            if a.kind == Kind.F:
-                held += 1
-                head += a.stage == last
-                continue
-            if a.kind in (Kind.B, Kind.BW):
-                seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last, split=a.kind == Kind.B))
-            if a.kind == Kind.B:
-                pending += 1
-                continue
-            pending -= a.kind == Kind.W
-            held, warm = held - 1, True
-            head -= a.stage == last
-        out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss, m.split))))
-    return tuple(out)
+    stages = layout(schedule, pp, v)
+    return tuple(memory.moments_of(actions, stages, r) for r, actions in enumerate(lists(schedule, pp, microbatches, v, options)))
 
 
 def _validation_held(run: Resolved) -> tuple[float, ...]:
@@ -261,7 +243,8 @@ def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, me
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
         grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep)
+        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep,
+        loss_chunks=loss_chunks(run), selective_policy=train.selective_policy.value)
     pt = memory.peak(s)
     row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
                   pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
@@ -306,10 +289,10 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     ranks = tuple(stage_ranks(p.pp, p.virtual_stages, v_style)) if p.pp > 1 else (0,)
     timing = predict(_shape(run, pm, setups, layers, bf16, counts, ranks), device, efficiency)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
-    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp, setups[0].selective_policy) for mode in ("none", "selective", "full")}
     counted = model_counts(run, pm, layers, bf16)
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "cp": p.cp, "ep": p.ep, "tp": p.tp,
-              "sequence_parallel": sp,
+              "sequence_parallel": sp, "selective_policy": train.selective_policy.value, "loss_chunks": setups[0].loss_chunks,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
               "post_validation": p.post_validated,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
@@ -354,12 +337,13 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
     else:
         share = 1 / max(pm.layers, 1)
     sp = p.sequence_parallel and p.tp > 1
-    remat = act.working_set(setups[0].model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
+    s0 = setups[0]
+    remat = act.working_set(s0.model, run.batch.micro_batch, "selective", s0.precision, p.tp, sp, s0.selective_policy)  # a cp rank's
     return Shape(pm, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
                  share, pm.flops_per_token, run.tokens_per_step, remat, tuple(counts), ranks,
-                 schedule_options(run), p.cp, p.cp_kind.value, p.ep)
+                 schedule_options(run), p.cp, p.cp_kind.value, p.ep, s0.selective_policy, s0.loss_chunks)
 
 
 def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainer.plan import activations as act
+
 if TYPE_CHECKING:
     from trainer.plan.model import PlanModel
 
@@ -110,22 +112,30 @@ class PassFlops:
         return self.f + self.b + self.w
 
 
-def block_pass_flops(m: PlanModel, recompute: str = "none", split_backward: bool = False) -> PassFlops:
+def block_pass_flops(m: PlanModel, recompute: str = "none", split_backward: bool = False,
+                     policy: str = "all-matmuls") -> PassFlops:
     """One block, per token: 2 FLOPs per parameter + 4·h·s attention forward, the same for B and for W
     (forward 1/3, backward 2/3); full recompute runs the forward again inside B, and inside W as well
-    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py).
+    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py);
+    selective with alternate-matmuls runs every other matmul of the forward again in each of them.
     Blocks that differ (an MoE's first dense layers) count as their mean."""
     fwd = block_forward_flops(m, 1) / m.layers
-    again = 2 if recompute == "full" else 1
-    return PassFlops(fwd, fwd * again, fwd * (again if split_backward else 1))
+    if recompute == "full":
+        again = fwd
+    else:
+        again = act.recomputed_matmul_flops(m, policy) if recompute == "selective" else 0.0
+    return PassFlops(fwd, fwd + again, fwd + (again if split_backward else 0.0))
 
 
-def head_pass_flops(m: PlanModel) -> PassFlops:
+def head_pass_flops(m: PlanModel, chunked: bool = False, split_backward: bool = False) -> PassFlops:
     """The last stage's extra work, per token: the output head's matmul (2·h·V per pass) and the loss
-    (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out."""
+    (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out. A chunked
+    loss (train.loss_chunks) runs the head's matmul and the loss's forward again in the backward, in B and,
+    where the schedule splits them, in W."""
     mm = head_forward_flops(m, 1)
     fwd, bwd = LOSS_FLOPS_PER_LOGIT
-    return PassFlops(mm + fwd * m.vocab, mm + bwd * m.vocab, mm)
+    again = mm + fwd * m.vocab if chunked else 0.0
+    return PassFlops(mm + fwd * m.vocab, mm + bwd * m.vocab + again, mm + (again if split_backward else 0.0))
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,8 @@ class Shape:
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
     cp_kind: str = "ulysses"
     ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back
+    selective_policy: str = "all-matmuls"  # train.selective_policy: alternate-matmuls recomputes every other matmul
+    loss_chunks: int = 1  # train.loss_chunks: > 1 runs the head's matmul again in the backward
 
 
 @dataclass(frozen=True)
@@ -201,7 +213,8 @@ def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float]
     m = x.model
     mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
     counts = x.stage_layers or (m.layers,)
-    blk, head = block_pass_flops(m, x.recompute, split), head_pass_flops(m)
+    blk = block_pass_flops(m, x.recompute, split, x.selective_policy)
+    head = head_pass_flops(m, x.loss_chunks > 1, split)
     last = len(counts) - 1
     share = tp_share(m, x.tp)
 
@@ -292,6 +305,10 @@ def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
     step = compute + bubble + tp_s + exposed + optimizer + cp_s + ep_s
     model = x.flops_per_token * x.global_tokens
     hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
+    # alternate-matmuls' recomputed matmuls and a chunked loss's head, run again in B (and in W when split)
+    reruns = m.layers * act.recomputed_matmul_flops(m, x.selective_policy) if x.recompute == "selective" else 0.0
+    reruns += head_forward_flops(m, 1) + LOSS_FLOPS_PER_LOGIT[0] * m.vocab if x.loss_chunks > 1 else 0.0
+    hardware += x.global_tokens * reruns * (2 if split else 1)
     return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
                   model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args,
                   ep_s, ep_bytes)
