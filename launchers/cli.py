@@ -55,6 +55,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     overrides = list(args.set or []) + ([f"launcher.nproc={args.nproc}"] if args.nproc is not None else [])
     for path in args.manifests:
         try:
+            if args.show:  # the values as read, bases merged in, each with the file and line that set it
+                from launchers.show import show
+
+                print("\n".join([f"# {path}", *show(path, overrides)]))
             run, warnings = load_manifest(path, overrides)
         except ManifestError as exc:
             _print(exc.diagnostics + exc.warnings)
@@ -91,11 +95,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         except CheckpointDirError as exc:  # the run directory is claimed: status.json says why it ended
             RunStatus(run.run_dir, True).write("failed", None, str(exc))
             raise
-        return run_local(run)
+        return run_local(run, again=again_command(args), verbose=args.verbose)
     except (DataError, CheckpointDirError) as exc:  # data: found only when read (e.g. an id beyond the vocab)
         raise BadInput(f"{run.source}: {exc}") from None
     finally:
         claim.lock.release()
+
+
+def again_command(args: argparse.Namespace) -> str:
+    """The `mantra run` that continues this one: the same manifest, ranks and overrides, without --fresh and
+    --from (what the end-of-run summary tells the user to type)."""
+    import shlex
+
+    words = ["mantra", "run", args.manifest, *(["--nproc", str(args.nproc)] if args.nproc is not None else [])]
+    for override in args.set or []:
+        words += ["--set", override]
+    return shlex.join(words)
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
@@ -163,7 +178,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(manifest_json_schema(), indent=2))
+    if args.keys is None:
+        print(json.dumps(manifest_json_schema(), indent=2))
+        return EXIT_OK
+    from launchers.schema_keys import UnknownSection, key_rows, table
+
+    try:
+        print("\n".join(table(key_rows(manifest_json_schema(), args.keys or None))))
+    except UnknownSection as exc:
+        raise BadInput(str(exc)) from None
     return EXIT_OK
 
 
@@ -234,6 +257,8 @@ def add_local_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check manifests without importing torch; errors as FILE:LINE:COL")
     add_manifest_arguments(p, many=True)
     add_nproc_argument(p)
+    p.add_argument("--show", action="store_true",
+                   help="print the manifest as read, its `extends:` bases merged in, each value with where it was set")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("run", help="train locally: in-process for one rank, torchrun for several")
@@ -242,6 +267,8 @@ def add_local_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="resume from this step or checkpoint directory instead of the latest committed one")
     add_fresh_argument(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="log records with time, level, rank and logger (default: one plain line per event)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("dry-run", help="show the layout, parameters per rank and the command; train nothing")
@@ -300,7 +327,9 @@ def add_submit_command(sub: argparse._SubParsersAction) -> None:
 
 def add_info_commands(sub: argparse._SubParsersAction) -> None:
     """schema, models, export: no manifest, no training."""
-    p = sub.add_parser("schema", help="print the manifest's JSON Schema")
+    p = sub.add_parser("schema", help="print the manifest's JSON Schema (--keys: a table of keys to read)")
+    p.add_argument("--keys", nargs="?", const="", metavar="SECTION",
+                   help="a table of key, type, default, bounds and help, of every section or of SECTION (e.g. train)")
     p.set_defaults(fn=cmd_schema)
 
     p = sub.add_parser("models", help="list the installed model kinds")
@@ -337,7 +366,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Every command, also `--help`, ends quietly with 0 when its reader leaves early (`mantra runs | head -1`):
+    trainer/report/pipes.py."""
+    from trainer.report.pipes import closed_stdout_tolerated
+
+    code = EXIT_OK
+    with closed_stdout_tolerated():
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is caught above
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or an argparse usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
         return args.fn(args)
     except ManifestError as exc:

@@ -1,6 +1,6 @@
 """`mantra compare RUN...`: several runs (or a whole sweep) side by side, from their metrics.jsonl.
 
-    mantra compare runs/a runs/b                           # final and best loss per run, as a table
+    mantra compare runs/a runs/b                           # final and best loss per run, as a table (also with --plot)
     mantra compare runs/tiny-cpu-sweep --plot sweep.png    # every run of a `mantra submit --sweep`
     mantra compare runs/a runs/b --plot c.svg --metric loss --metric grad_norm --x tokens
 
@@ -8,7 +8,8 @@ A RUN is a run directory, a sweep record (the directory `mantra submit --sweep` 
 sweep.json naming its runs), or a directory of run directories. `--x tokens` puts step x tokens per
 step (train.global_batch x model.seq_len of the run's resolved manifest.yaml) on the x axis, so runs
 with other batch sizes line up. PNG needs matplotlib; SVG is written here, with no dependency, its
-run names real text (searchable, selectable).
+run names real text (searchable, selectable). The legend sits beside the panels and the picture widens
+to hold it; a name longer than LEGEND_MAX_PX is cut in the middle (the SVG keeps it whole as a tooltip).
 """
 
 from __future__ import annotations
@@ -147,6 +148,30 @@ def print_table(all_series: list[Series], metrics: list[str]) -> None:
 
 # ---------------------------------------------------------------------------- pictures
 
+LEGEND_FONT_PX = 12
+LEGEND_MAX_PX = 420  # a legend name wider than this is cut in the middle: the picture stays readable
+# Advance widths in em, rounded up from DejaVu Sans (what the SVG names first, and matplotlib's font), so an
+# estimate is never short of the real width: the legend fits whatever the browser picks (Helvetica and
+# Arial are narrower).
+_EM = [("mwMW@%", 1.0), ("ABCDEFGHIJKLNOPQRSTUVXYZ&#=+<>^~", 0.84), ("abcdeghknopqsuvxyz0123456789?$*{}", 0.64),
+       ("frtJ-_()[]/\\\"` ", 0.5), ("ijl.,:;'|!", 0.41)]
+_CHAR_EM = {c: em for chars, em in _EM for c in chars}
+
+
+def text_px(text: str, size: float) -> float:
+    """An upper bound of `text`'s width in pixels at font size `size` (any character not listed: 1 em)."""
+    return size * sum(_CHAR_EM.get(c, 1.0) for c in text)
+
+
+def shortened(text: str, max_px: float, size: float) -> str:
+    """`text`, or its start and end around an ellipsis, as much of both as fits in `max_px`."""
+    if text_px(text, size) <= max_px:
+        return text
+    keep = len(text)
+    while keep > 2 and text_px(text[:(keep + 1) // 2] + "…" + text[len(text) - keep // 2:], size) > max_px:
+        keep -= 1
+    return text[:(keep + 1) // 2] + "…" + text[len(text) - keep // 2:]
+
 def title_for(all_series: list[Series], key: str) -> str:
     return f"{key} of {len(all_series)} run{'s' * (len(all_series) != 1)}"
 
@@ -162,6 +187,7 @@ def plot_png(all_series: list[Series], metrics: list[str], x: str, out: Path) ->
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     fig, axes = plt.subplots(len(metrics), 1, figsize=(9, 3.4 * len(metrics) + 0.4), sharex=True, squeeze=False)
+    legends = []
     for ax, key in zip(axes[:, 0], metrics):
         for i, s in enumerate(all_series):
             ax.plot(x_values(s, x), s.values[key], label=s.label, color=COLORS[i % len(COLORS)], linewidth=1.6,
@@ -169,7 +195,11 @@ def plot_png(all_series: list[Series], metrics: list[str], x: str, out: Path) ->
         ax.set_ylabel(key)
         ax.set_title(title_for(all_series, key), loc="left", fontsize=11)
         ax.grid(True, color="#dddddd", linewidth=0.6)
-        ax.legend(fontsize=9, frameon=False, loc="best")
+        for line in ax.get_lines():  # beside the panel, never over the curves; long names cut in the middle
+            line.set_label(shortened(line.get_label(), LEGEND_MAX_PX, 9 * 100 / 72))
+        legend = ax.legend(fontsize=9, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        legend.set_in_layout(False)  # tight_layout keeps the panel's width; the saved picture grows instead
+        legends.append(legend)
     bottom = axes[-1, 0]
     bottom.set_xlabel("tokens" if x == "tokens" else "step")
     if x == "tokens":
@@ -177,7 +207,7 @@ def plot_png(all_series: list[Series], metrics: list[str], x: str, out: Path) ->
     else:
         bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight", bbox_extra_artists=legends)  # grown to hold the legends
     plt.close(fig)
 
 
@@ -202,9 +232,13 @@ def tick_label(value: float, x: str) -> str:
 
 
 def plot_svg(all_series: list[Series], metrics: list[str], x: str, out: Path) -> None:
-    """The same picture as the PNG, drawn here: one panel per metric, one line per run, a legend."""
-    width, panel_h, left, right, top = 900, 300, 80, 190, 36
-    plot_w, plot_h = width - left - right, panel_h - top - 44
+    """The same picture as the PNG, drawn here: one panel per metric, one line per run, a legend beside the
+    panel, the picture as wide and tall as the legend needs (names past LEGEND_MAX_PX cut in the middle)."""
+    names = [shortened(s.label, LEGEND_MAX_PX, LEGEND_FONT_PX) for s in all_series]
+    left, top, plot_w = 80, 36, 630
+    right = 42 + max(90, max(text_px(n, LEGEND_FONT_PX) for n in names)) + 16  # swatch, names, margin
+    width, panel_h = left + plot_w + right, max(300, top + 14 + 18 * len(names) + 10)
+    plot_h = panel_h - top - 44
     parts = []
     xs_all = finite([v for s in all_series for v in x_values(s, x)]) or [0.0, 1.0]
     xt = nice_ticks(min(xs_all), max(xs_all), whole=x == "step")
@@ -256,7 +290,8 @@ def plot_svg(all_series: list[Series], metrics: list[str], x: str, out: Path) ->
             ly = oy + top + 14 + 18 * i
             parts.append(f'<line x1="{left + plot_w + 14}" x2="{left + plot_w + 36}" y1="{ly - 4}" y2="{ly - 4}" '
                          f'stroke="{color}" stroke-width="2.5"/>')
-            parts.append(f'<text x="{left + plot_w + 42}" y="{ly}" font-size="12">{escape(s.label)}</text>')
+            parts.append(f'<text x="{left + plot_w + 42}" y="{ly}" font-size="{LEGEND_FONT_PX}">'
+                         f'<title>{escape(s.label)}</title>{escape(names[i])}</text>')
     height = panel_h * len(metrics)
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">\n'
@@ -295,8 +330,8 @@ def _compare(runs: list[Path], plot: Path | None, metrics: list[str], x: str) ->
         if missing:
             raise CompareError(f"{missing[0].run_dir / 'manifest.yaml'}: --x tokens needs the run's train.global_batch "
                                "and model.seq_len, and this file lacks them; use --x step")
+    print_table(all_series, metrics)
     if plot is None:
-        print_table(all_series, metrics)
         return 0
     if plot.parent and not plot.parent.is_dir():
         raise CompareError(f"--plot {plot}: the directory {plot.parent} does not exist")

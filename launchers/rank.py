@@ -1,10 +1,11 @@
 """The entry point every rank runs (under torchrun, Slurm or in-process).
 
-    python -m launchers.rank runs/<name>/manifest.yaml [--launcher-pid PID]
+    python -m launchers.rank runs/<name>/manifest.yaml [--launcher-pid PID] [--verbose]
 
-Rank 0 logs to the console; the other ranks log to <run dir>/logs/rank<N>.log.
-A failing rank's traceback is recorded for torchrun, which shows it and stops
-the other ranks.
+Rank 0 logs to the console, one plain line per event (`--verbose`: with time, level, rank and logger);
+the other ranks log to <run dir>/logs/rank<N>.log. Torch's own C++ output of every rank goes to that
+file too, never into the console's lines (trainer/report/native_output.py). A failing rank's traceback
+is recorded for torchrun, which shows it and stops the other ranks.
 
 The signal handlers (trainer/run/preempt.py) go in before anything heavy is imported: a SIGTERM, SIGUSR1
 or Ctrl-C during imports, rendezvous or the model build is kept and honoured at the first step
@@ -41,8 +42,18 @@ class CurrentStderr:
         sys.stderr.flush()
 
 
-def setup_logging(info, run_dir: Path) -> None:
-    """Rank 0 logs to stderr, the others to <run dir>/logs/rank<N>.log (`info`: a trainer.dist.RankInfo)."""
+class ConsoleFormatter(logging.Formatter):
+    """Rank 0's records in the console's own style: an event is one plain line (`checkpoint step 50 saved
+    to ...`), a warning or an error says so first (`warning: ...`); no time, level, rank or logger name."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+
+def setup_logging(info, run_dir: Path, verbose: bool = False) -> None:
+    """Rank 0 logs to stderr in the console's style (`verbose`: with time, level, rank and logger), the
+    others to <run dir>/logs/rank<N>.log, always verbose (`info`: a trainer.dist.RankInfo)."""
     fmt = "%(asctime)s %(levelname)s [rank%(rank)s] %(name)s: %(message)s"
     old_factory = logging.getLogRecordFactory()
 
@@ -54,33 +65,44 @@ def setup_logging(info, run_dir: Path) -> None:
     logging.setLogRecordFactory(factory)
     if info.is_rank0:
         handler: logging.Handler = logging.StreamHandler(CurrentStderr())
+        handler.setFormatter(logging.Formatter(fmt) if verbose else ConsoleFormatter("%(message)s"))
     else:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(run_dir / "logs" / f"rank{info.rank}.log")
-    handler.setFormatter(logging.Formatter(fmt))
+        handler = logging.FileHandler(log_path(run_dir, info.rank))
+        handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
-def run_rank(manifest_path: Path, preempt: PreemptionFlag | None = None):
+def log_path(run_dir: Path, rank: int) -> Path:
+    """<run dir>/logs/rank<N>.log: rank N's records (N > 0) and torch's own C++ output (every rank)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return run_dir / "logs" / f"rank{rank}.log"
+
+
+def run_rank(manifest_path: Path, preempt: PreemptionFlag | None = None, *, verbose: bool = False,
+             summarized: bool = False):
     """Train this rank; returns trainer.loop.TrainResult (steps, final loss, run dir).
 
     A stop on a signal leaves through trainer.run.preempt.StopRequested (a SystemExit: 75 or 130) after
     its checkpoint is committed. `preempt`: handlers already installed by the caller; without it they
-    are installed first thing here and removed at the end."""
+    are installed first thing here and removed at the end. `verbose`: rank 0's log records with time,
+    level and logger; `summarized`: `mantra run` ends with a summary, so the stop needs no line of its own.
+    Torch's C++ output goes to the rank's log file meanwhile (trainer/report/native_output.py)."""
     own = preempt is None
     preempt = PreemptionFlag().install() if own else preempt
     try:
         from trainer.dist import RankInfo
         from trainer.loop import train
         from trainer.manifest import load_manifest
+        from trainer.report.native_output import native_output_to
 
         run, _ = load_manifest(manifest_path)
         info = RankInfo.from_env()
-        setup_logging(info, run.run_dir)
+        setup_logging(info, run.run_dir, verbose)
         try:
-            return train(run, info, preempt=preempt)
+            with native_output_to(log_path(run.run_dir, info.rank)):
+                return train(run, info, preempt=preempt)
         except StopRequested as stop:
-            if info.is_rank0:
+            if info.is_rank0 and not summarized:
                 log.info("%s at step %d: checkpoint committed; exit %d", stop.state, stop.step, stop.exit_code)
             raise
     finally:
@@ -111,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("manifest", type=Path, help="the resolved manifest (runs/<name>/manifest.yaml)")
     parser.add_argument("--launcher-pid", type=int, metavar="PID",
                         help="the `mantra run` process: leave when it is gone, report a stop through status.json")
+    parser.add_argument("--verbose", action="store_true", help="rank 0's log records with time, level and logger")
     return parser.parse_args(argv)
 
 
@@ -126,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
-        record(quiet_usage_errors(run_rank))(args.manifest, preempt)
+        record(quiet_usage_errors(run_rank))(args.manifest, preempt, verbose=args.verbose, summarized=supervised)
     except StopRequested:
         if supervised:
             sys.exit(0)  # status.json says requeue / interrupted; mantra exits 75 / 130

@@ -11,6 +11,7 @@ A run's state is what its status.json says, checked against who holds the run:
     running     a process holds <run dir>/run.lock (flock), or its Slurm job is running
     pending     its Slurm job waits in the queue and the run never started
     completed   finished every step           failed      an error ended it (see `note`)
+    stopped     a local run saved on SIGTERM/SIGUSR1 (note: saved at step N; run again to resume)
     requeue     saved on a signal; waiting to be started again (Slurm requeues it)
     interrupted saved on Ctrl-C                cancelled   saved on `scancel`, not requeued
     hung        the watchdog found a rank stuck
@@ -37,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.run.status import stop_note
 
 RUN_FILES = ("status.json", "metrics.jsonl", "manifest.yaml", "run.lock")  # any one marks a run directory
 SLURM_RECORD = "slurm.json"  # written by `mantra submit` into each run directory: the job id
@@ -261,7 +264,7 @@ def read_run(run_dir: Path, jobs: dict[str, str] | None, now: float) -> RunRow:
         with contextlib.suppress(OSError):
             times.append((run_dir / name).stat().st_mtime)
     error = status.get("error")
-    note = error if isinstance(error, str) and state in ("failed", "hung", "cancelled") else None
+    note = error if isinstance(error, str) and state in ("failed", "hung", "cancelled") else stop_note(state, step)
     if state == "corrupt":
         note = "status.json is not a status mantra writes"
     elif manifest is None and (run_dir / "manifest.yaml").exists():
@@ -317,7 +320,7 @@ def printable(text: str) -> str:
 
 
 STATE_STYLE = {"running": "bold green", "completed": "green", "failed": "bold red", "hung": "bold red",
-               "died": "bold red", "corrupt": "red", "cancelled": "yellow", "requeue": "yellow",
+               "died": "bold red", "corrupt": "red", "cancelled": "yellow", "requeue": "yellow", "stopped": "yellow",
                "interrupted": "yellow", "pending": "cyan", "unverified": "magenta"}
 
 

@@ -93,7 +93,7 @@ def test_a_pickle_planted_as_metadata_runs_nothing(trained, tmp_path, guard):
     assert run.returncode == 0, run.stderr[-3000:]
     refusal = next(line for line in run.stderr.splitlines() if "step-00000004 cannot be loaded" in line)
     assert str(metadata) in refusal
-    assert f"resuming from {ckpt / 'step-00000002'}" in run.stderr  # the previous commit
+    assert f"  resume     from {ckpt / 'step-00000002'} (step 2)" in run.stdout  # the previous commit
     assert losses(trained / "base")[3] == pytest.approx(losses(tmp_path / "base")[3], rel=1e-6)
 
 
@@ -112,7 +112,7 @@ def test_a_flipped_byte_in_a_shard_is_named_and_the_previous_commit_is_used(trai
     run = mantra_run(manifest, 1, "--set", "train.steps=6")
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{shard} does not match its checksum" in run.stderr
-    assert f"resuming from {ckpt / 'step-00000002'}" in run.stderr
+    assert f"  resume     from {ckpt / 'step-00000002'} (step 2)" in run.stdout
     assert losses(trained / "base")[3] == pytest.approx(losses(tmp_path / "base")[3], rel=1e-6)
 
 
@@ -139,7 +139,7 @@ def test_latest_and_step_links_are_never_followed_out_of_the_root(trained, tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{ckpt / 'step-00000099'} is a symbolic link" in run.stderr
     assert f"names '{elsewhere}', not a step-NNNNNNNN directory" in run.stderr  # and says latest was not followed
-    assert f"resuming from {ckpt / 'step-00000004'}" in run.stderr
+    assert f"  resume     from {ckpt / 'step-00000004'} (step 4)" in run.stdout
 
 
 @pytest.mark.slow

@@ -63,7 +63,8 @@ def test_a_rank_killed_by_sigkill_restarts_and_completes_as_if_never_stopped(sit
     assert "mantra: failed at step 12 (rank 0 on " in proc.stderr and "restart 1 of 3 from checkpoint step 10" in proc.stderr
     status = json.loads((tmp_path / "killed/status.json").read_text())
     assert status["state"] == "completed" and status["restarts"] == 1 and status["lost_steps"] == 1, status  # step 11
-    assert "mantra: killed completed at step 40: goodput " in proc.stdout and "restarts 1, lost_steps 1" in proc.stdout
+    assert "killed completed at step 40/40 in " in proc.stdout and "restarts 1, lost_steps 1" in proc.stdout
+    assert "  faults     goodput " in proc.stdout  # in the run's one summary
     got = losses(tmp_path / "killed")
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launchers import slurm_restart
-from launchers.local import summary_line
+from trainer.report.summary import Ending, summary_lines
 from trainer.run import failure, ledger, restart
 from trainer.run.heartbeat import Heartbeat
 from trainer.run.status import RunStatus, read_status
@@ -184,7 +184,7 @@ def test_what_ends_the_run_at_once(tmp_path):
     fail(tmp_path, 0, 3, "NonFiniteStop: step 3: non-finite loss", failure.FATAL)
     assert restart.judge(tmp_path, ckpt, 1, 3) == restart.Verdict(False, 1, "")
     failure.clear(tmp_path)
-    for state, code in (("interrupted", 130), ("requeue", 75), ("cancelled", 75)):
+    for state, code in (("interrupted", 130), ("requeue", 75), ("stopped", 75), ("cancelled", 75)):
         RunStatus(tmp_path, True).write(state, 4)
         assert restart.judge(tmp_path, ckpt, 0, 3) == restart.Verdict(False, code, "")
     RunStatus(tmp_path, True).write("completed", 4)
@@ -244,8 +244,11 @@ def test_status_and_the_summary_line_carry_goodput_restarts_and_lost_steps(tmp_p
     assert status["restarts"] == 1 and status["lost_steps"] == 4 and 0.45 < status["goodput"] <= 0.5
     assert status["straggler"]["host"] == "n2"
     status["goodput"] = 0.8321
-    assert summary_line(status, "tiny") == "mantra: tiny completed at step 40: goodput 83.2%, restarts 1, lost_steps 4"
-    assert summary_line({}, "tiny") is None
+    ending = Ending("tiny", 40, tmp_path, tmp_path / "ckpt", 6.0, "mantra run tiny.yaml", tmp_path / "hf")
+    lines = summary_lines(ending, status, rows=[])
+    assert lines[0] == "tiny completed at step 40/40 in 6.0 s"
+    assert "  faults     goodput 83.2%, restarts 1, lost_steps 4" in lines  # the run's one summary says them
+    assert not any("goodput" in line for line in summary_lines(ending, {"state": "completed", "step": 40}, rows=[]))
 
 
 # ---------------------------------------------------------------------------- stragglers

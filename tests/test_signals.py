@@ -129,11 +129,12 @@ def test_sigusr1_to_the_launchers_process_group_saves_on_every_rank_and_exits_75
     path = write(tmp_path, "usr1", LONG)
     proc = start(path, 2)
     wait_for_step(tmp_path / "usr1", 3, proc)
+    wait_until(lambda: status(tmp_path / "usr1")["step"] >= 3, 30, "status.json's step to follow the run")
     os.killpg(proc.pid, signal.SIGUSR1)  # as `kill -USR1 -PGID` or a scheduler would send it
     code, err = finish(proc, tmp_path / "usr1/manifest.yaml")
     assert code == 75, err[-3000:]
     s = status(tmp_path / "usr1")
-    assert s["state"] == "requeue" and 3 <= s["step"] < 100000
+    assert s["state"] == "stopped" and 3 <= s["step"] < 100000
     assert_committed_at(tmp_path / "usr1", s["step"])
     assert_no_orphans(tmp_path / "usr1/manifest.yaml")
     assert "Traceback" not in err, err[-3000:]
@@ -164,7 +165,7 @@ def test_sigterm_to_the_launcher_alone_before_the_ranks_exist_ends_in_a_save_and
     code, err = finish(proc, tmp_path / "term/manifest.yaml")
     assert code == 75, err[-3000:]
     s = status(tmp_path / "term")
-    assert s["state"] == "requeue" and s["step"] == 1, s
+    assert s["state"] == "stopped" and s["step"] == 1, s
     assert_committed_at(tmp_path / "term", 1)
     assert_no_orphans(tmp_path / "term/manifest.yaml")
 
@@ -197,7 +198,7 @@ def test_a_signal_to_a_rank_before_it_has_imported_torch_is_honoured(tmp_path):
             proc.kill()
     assert proc.returncode == 75, err[-3000:]
     early = status(tmp_path / "early")
-    assert early | {"time": 0, "goodput": 0} == {"state": "requeue", "step": 1, "error": None, "time": 0, "goodput": 0,
+    assert early | {"time": 0, "goodput": 0} == {"state": "stopped", "step": 1, "error": None, "time": 0, "goodput": 0,
                                                  "restarts": 0, "lost_steps": 0}  # a save on a signal is no fault
     assert_committed_at(tmp_path / "early", 1)
     assert "SIGUSR1: saving at the next step boundary" in err and "Traceback" not in err, err[-3000:]

@@ -184,7 +184,7 @@ def test_a_dead_node_requeues_the_job_which_resumes_exactly(cluster, jobs, tmp_p
     assert status["state"] == "completed" and status["step"] == 8 and status["restarts"] == 1, status
     restarted = [r for r in ranks_on(run_dir, job) if r[2] == 1]
     assert [r[0] for r in restarted] == [0, 1] and restarted[0][1] != restarted[1][1], restarted
-    assert kill_step < 6 and "resuming from" in err and "(step 3)" in err, err[-3000:]
+    assert kill_step < 6 and re.search(r"  resume     from \S+ \(step 3\)", err + out), err[-3000:] + out[-3000:]
     assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, "--nproc", "2", *TRAIN))
 
 

@@ -236,13 +236,13 @@ def build_run_validation(run: Resolved, rank: int, device: torch.device, trainin
 
 
 def build_run_sinks(run: Resolved, is_rank0: bool, device: torch.device, resume_step: int | None) -> Sinks:
-    """logging.sinks on rank 0 (the trainer's keys, then the model kind's); a resumed run's file sinks drop
-    the rows past `resume_step`."""
-    m = run.manifest
+    """logging.sinks on rank 0 (the trainer's keys, then the model kind's; the console shows those the kind
+    names); a resumed run's file sinks drop the rows past `resume_step`."""
+    m, spec = run.manifest, get_model_spec(run.manifest.model.kind)
     return build_sinks(m.logging, run_dir=run.run_dir, run_name=m.name, total_steps=m.train.steps,
                        config=m.model_dump(mode="json"), is_rank0=is_rank0, device_type=device.type,
                        resume_step=resume_step, tokens_per_step=run.tokens_per_step,
-                       extra_keys=get_model_spec(m.model.kind).metric_keys)
+                       extra_keys=spec.metric_keys, console_fields=spec.console_fields)
 
 
 def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteGuard,

@@ -25,13 +25,14 @@ from trainer.checkpoint.checkpointer import Resumed
 from trainer.checkpoint.saves import Saves
 from trainer.dist import RankInfo, init_distributed, pick_device, shutdown_distributed
 from trainer.manifest import Resolved
+from trainer.manifest.schema import LauncherKind
 from trainer.precision import uses_bf16
 from trainer.report.banner import print_banner
 from trainer.report.memtrack import RunMemory
 from trainer.report.rows import MetricRows
 from trainer.run.nonfinite import NonFiniteGuard, NonFiniteStop
 from trainer.run.preempt import PreemptionFlag, StopRequested
-from trainer.run.status import RunStatus
+from trainer.run.status import RunStatus, stop_state
 from trainer.run.watchdog import HangWatchdog
 from trainer.step import StepOutcome, train_step
 
@@ -109,12 +110,14 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 sinks.advance(step)  # the console's live line, on a terminal
                 for outcome in outcomes:  # post-validation: the step before this one, and this one when final
                     rows.write(outcome, step)
+                if outcomes and sinks.should_log(outcomes[-1].step):  # status.json follows the run
+                    status.write("running", outcomes[-1].step)
                 counters = {"skipped_steps": guard.skipped, "rollbacks": stepper.rollbacks}  # the checkpoint carries them
                 saves.save_if_due(step, last, counters)
                 stop = next((o.stop for o in outcomes if o.stop), None)  # any rank's signal
-                if stop and not last:  # SIGTERM/USR1: requeue; SIGINT: stop
+                if stop and not last:  # SIGTERM/USR1: stopped (Slurm: requeue); SIGINT: interrupted
                     saves.save_before_stop(step, saved, counters)
-                    status.write(stop.state, step)
+                    status.write(stop_state(stop.state, m.launcher.kind == LauncherKind.slurm), step)
                     raise stop(step)
             saves.finish(m.train.steps)
     finally:
@@ -130,9 +133,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
 
 
 def _announce(run: Resolved, info: RankInfo, device: torch.device, resumed: Resumed | None) -> None:
-    """Rank 0, before the first step: the checkpoint a resumed run continues from, and the banner."""
-    if resumed and info.is_rank0:
-        log.info("resuming from %s (step %d)", resumed.path, resumed.step)
+    """Rank 0, before the first step: the banner, which names the checkpoint a resumed run continues from."""
     if info.is_rank0:  # what this run is about to do, before its first step
         print_banner(run, device, uses_bf16(run, device), (resumed.path, resumed.step) if resumed else None)
 

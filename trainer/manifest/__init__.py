@@ -21,7 +21,8 @@ from trainer.manifest.partial import set_aside
 from trainer.manifest.resolve import Resolved, resolve
 from trainer.manifest.rules import check
 from trainer.manifest.schema import Manifest
-from trainer.manifest.source import apply_override, load_source
+from trainer.manifest.extends import load_tree
+from trainer.manifest.source import apply_override
 from trainer.manifest.validate import validate_schema
 
 __all__ = ["Diagnostic", "Location", "Manifest", "ManifestError", "Resolved", "load_manifest", "dump_manifest"]
@@ -35,7 +36,7 @@ def load_manifest(
     Relative paths written in the file are read against its directory, those in `overrides` against
     the current one; both come back absolute. data_files=False (plan, dry-run: they read no data)
     does not look at the files data.path and data.tokenizer name."""
-    tree = load_source(path)
+    tree = load_tree(path)  # with the bases it extends merged under it
     for override in overrides:
         apply_override(tree, override)
     manifest, errors = validate_schema(tree)

@@ -19,6 +19,7 @@ class Location:
     source: str  # the manifest path as the user wrote it, or "--set key=value"
     line: int | None = None  # 1-based
     col: int | None = None  # 1-based
+    inherited_by: str | None = None  # the manifest that extends the file `source` names (trainer/manifest/extends.py)
 
     def render(self) -> str:
         if self.line is None:
@@ -35,7 +36,8 @@ class Diagnostic:
 
     def render(self) -> str:
         subject = f"{self.field}: " if self.field else ""
-        return f"{self.location.render()}: {self.severity}: {subject}{self.message}"
+        via = f", inherited by {self.location.inherited_by}" if self.location.inherited_by else ""
+        return f"{self.location.render()}: {self.severity}: {subject}{self.message}{via}"
 
 
 class ManifestError(Exception):

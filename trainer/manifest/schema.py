@@ -163,4 +163,12 @@ def json_schema(configs: tuple[type[ModelSection], ...] | None = None) -> dict[s
         branch = schema["$defs"][schema["properties"]["model"]["discriminator"]["mapping"][kind].split("/")[-1]]
         if kind != DEFAULT_KIND and "kind" not in branch.setdefault("required", []):
             branch["required"].insert(0, "kind")
+    schema["properties"] = {"extends": EXTENDS_SCHEMA} | schema["properties"]  # read before validation
     return schema
+
+
+EXTENDS_SCHEMA = {  # trainer/manifest/extends.py merges the bases in and drops the key before validation
+    "title": "Extends", "description": "base manifest(s) merged under this one, paths relative to this file; "
+    "sections merge key by key, lists and scalars replace", "anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                              "minItems": 1}]}

@@ -212,6 +212,9 @@ class ModelSpec:
     # only). None: nothing beyond the trainer's keys.
     metrics: Callable[[Any, Any], dict[str, Any]] | None = None
     metric_keys: tuple[str, ...] = ()
+    # Which of them the console's step line shows, and how: (key, template), e.g. ("moe_load_max_over_mean",
+    # "load max/mean {:.2f}"); a None value is left out. The other sinks write every metric key.
+    console_fields: tuple[tuple[str, str], ...] = ()
     # after_step(parts, mesh, applied): runs on every rank after every step, `applied` False when the step's
     # update was skipped (non-finite); an MoE closes its load statistics and, when applied, moves its routing
     # bias. A collective: every rank calls it. None: nothing.

@@ -30,7 +30,8 @@ from trainer.manifest import ManifestError, Resolved, load_manifest
 from trainer.manifest.resolve import Unresolvable, resolve
 from trainer.manifest.rules import check
 from trainer.manifest.schema import LauncherKind
-from trainer.manifest.source import SourceTree, apply_override, load_source
+from trainer.manifest.extends import load_tree
+from trainer.manifest.source import SourceTree, apply_override
 from trainer.manifest.validate import validate_schema
 from trainer.plan.split import stage_counts
 from trainer.plan.devices import Device, get_device, usable_bytes
@@ -187,7 +188,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
     docstring). `progress(done, total)` is called as layouts are tried (`mantra plan --search` draws it)."""
     device = get_device(device) if isinstance(device, str) else device
     base, _ = load_manifest(path, overrides, data_files=False)
-    tree = load_source(path)
+    tree = load_tree(path)
     for o in overrides:
         apply_override(tree, o)
     tree = SourceTree(tree.data, tree.source)  # locations are not needed to accept or reject

@@ -1,7 +1,8 @@
-"""The sinks that report every logged step: console, JSONL, TensorBoard, W&B (trainer/report/meter.py makes
-the numbers). Every sink writes exactly `METRIC_KEYS` plus the model kind's keys (ModelSpec.metric_keys)
-per logged step; a None value (mfu on a CPU) is null in JSONL, "n/a" on the console, and skipped by
-TensorBoard and W&B. A list value (an MoE's per-layer load) is written to JSONL only."""
+"""The sinks that report every logged step: console (trainer/report/console.py), JSONL, TensorBoard, W&B
+(trainer/report/meter.py makes the numbers). JSONL, TensorBoard and W&B write exactly `METRIC_KEYS` plus the
+model kind's keys (ModelSpec.metric_keys) per logged step; a None value (mfu on a CPU) is null in JSONL and
+skipped by TensorBoard and W&B. A list value (an MoE's per-layer load) is written to JSONL only. The console
+shows the trainer's keys and those of the kind's it names (ModelSpec.console_fields), "n/a" for None."""
 
 from __future__ import annotations
 
@@ -10,70 +11,16 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.report.console import ConsoleSink
 from trainer.report.meter import INT_KEYS, METRIC_KEYS
-from trainer.report.straggler import RATIO as STRAGGLER_RATIO
 
 
 def _missing(package: str) -> RuntimeError:
     return RuntimeError(f"logging.sinks: {package} is listed but the {package} package is not installed; "
                         f"pip install 'mantra[{package}]' or remove it from logging.sinks")
-
-
-class ConsoleSink:
-    """One plain line per logged step on stdout and, on a terminal, the live progress line between them
-    (trainer/report/progress.py: step, tokens/s, ETA; nothing of it when piped or under Slurm)."""
-    name = "console"
-
-    def __init__(self, total_steps: int, device_type: str | None = None, tokens_per_step: int | None = None,
-                 first_step: int = 1) -> None:
-        from trainer.report.progress import live_progress
-
-        self.total_steps = total_steps
-        if device_type is None:  # only words the "mfu n/a" note
-            import torch
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self._mfu_na = "n/a (cpu)" if device_type == "cpu" else "n/a (unknown peak; set logging.peak_tflops)"
-        self._live = live_progress(total_steps, tokens_per_step, first_step)
-
-    def advance(self, step: int) -> None:
-        """Step `step` is done: cheap enough for every step, a no-op without a terminal."""
-        if self._live is not None:
-            self._live.advance(step)
-
-    def format(self, m: dict[str, Any]) -> str:
-        """The line printed at a logged step."""
-        def num(key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-            return "n/a" if m[key] is None else format(m[key] / scale, fmt) + unit
-
-        return " | ".join([
-            f"step {m['step']:>{len(str(self.total_steps))}}/{self.total_steps}",
-            f"loss {num('loss', '.4f')}", f"grad_norm {num('grad_norm', '.3f')}", f"lr {num('lr', '.2e')}",
-            f"{num('tokens_per_s', ',.0f')} tok/s",
-            f"mfu {self._mfu_na if m['mfu'] is None else format(m['mfu'], '.1%')}",
-            f"mem {num('peak_mem_bytes', '.2f', 2**30, ' GiB')}",
-        ] + ([] if m.get("peak_tensor_bytes") is None else [f"tensors {m['peak_tensor_bytes'] / 2**30:.2f} GiB"])
-          + [f"{num('step_time_s', '.3f')} s/step"]
-          + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
-          + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else [])
-          + ([f"slowest rank {m['step_time_max_over_median']:.2f}x the median"]
-             if (m.get("step_time_max_over_median") or 0) >= STRAGGLER_RATIO else [])
-          + ([] if m.get("val_loss") is None else [f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})"]))
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        line = self.format(metrics)
-        if self._live is not None:  # the live line owns the terminal's last line: print above it
-            self._live.print(line)
-        else:
-            print(line, file=sys.stdout, flush=True)
-
-    def close(self) -> None:
-        if self._live is not None:
-            self._live.close()
-            self._live = None
 
 
 class JsonlSink:
@@ -273,6 +220,7 @@ def build_sinks(
     logging_cfg: Any, *, run_dir: Path, run_name: str, total_steps: int, config: dict[str, Any],
     is_rank0: bool, device_type: str | None = None, resume_step: int | None = None,
     tokens_per_step: int | None = None, extra_keys: tuple[str, ...] = (),
+    console_fields: tuple[tuple[str, str], ...] = (),
 ) -> Sinks:
     """The sinks named in logging.sinks, on rank 0 only (other ranks get an empty, silent Sinks).
     `resume_step`: the step a resumed run continues after (None for a fresh run): the file sinks drop
@@ -280,12 +228,14 @@ def build_sinks(
     wandb with mode disabled is not built (the package need not be installed). `device_type`
     ("cpu" | "cuda") only words the console's "mfu n/a" note; guessed when omitted. `tokens_per_step`: the
     console's live line shows tokens/s with it, steps/s without. `extra_keys`: the model kind's metric
-    keys (ModelSpec.metric_keys), logged after the trainer's."""
+    keys (ModelSpec.metric_keys), logged after the trainer's; `console_fields` those the console line shows
+    (ModelSpec.console_fields)."""
     if not is_rank0:
         return Sinks([], every=logging_cfg.every, total_steps=total_steps, extra_keys=extra_keys)
     run_dir, built = Path(run_dir), []
     first_step = 1 if resume_step is None else resume_step + 1
-    makers = {"console": lambda: ConsoleSink(total_steps, device_type, tokens_per_step, first_step),
+    makers = {"console": lambda: ConsoleSink(total_steps, device_type, tokens_per_step, first_step,
+                                                    console_fields),
               "jsonl": lambda: JsonlSink(run_dir, resume_step),
               "tensorboard": lambda: TensorBoardSink(run_dir, resume_step),
               "wandb": lambda: WandbSink(logging_cfg.wandb, run_dir, run_name, config, resume=resume_step is not None)}

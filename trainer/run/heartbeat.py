@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from trainer.run import failure, ledger
+from trainer.run.status import STOPPED, read_status
 
 STEP, SAVES = "step", ("checkpoint save", "last checkpoint save")
 
@@ -107,7 +108,9 @@ class Heartbeat:
         if not self.writes or not self._begun or (kind is not None and kind != failure.STOPPED):
             return  # a failed attempt stays open: the next start counts the restart
         wall, useful, done = self._wall(), self._useful, self._done
-        ends_session = exc is None or getattr(exc, "state", "") == "interrupted"
+        # a person's stop (Ctrl-C, or a local run's SIGTERM: status `stopped`) ends the session; a requeue does not
+        ends_session = (exc is None or getattr(exc, "state", "") == "interrupted"
+                        or read_status(self.run_dir).get("state") == STOPPED)
 
         def finish(led: ledger.Ledger) -> None:
             led.useful_s, led.step = useful, done

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): try again later
 INTERRUPT_EXIT_CODE = 128 + signal.SIGINT  # 130
@@ -93,7 +94,7 @@ class PreemptionFlag:
         if self.signum is None or signum == signal.SIGINT:  # Ctrl-C outranks a requeue request
             self.signum = signum
         if self.announce:  # os.write: a buffered stream may be mid-write in the code this handler interrupted
-            os.write(2, (self.describe(signum) + "\n").encode())
+            os.write(console_fd(), (self.describe(signum) + "\n").encode())
 
     @staticmethod
     def describe(signum: int) -> str:
@@ -135,3 +136,12 @@ class PreemptionFlag:
 def stop_for(code: int) -> type[StopRequested] | None:
     """The stop a reduced signal code asks for (None: keep training)."""
     return _BY_CODE.get(code)
+
+
+def console_fd() -> int:
+    """The descriptor under sys.stderr: the console, also while descriptor 2 points at the rank's log file
+    (trainer/report/native_output.py); 2 when sys.stderr has none."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return 2

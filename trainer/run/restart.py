@@ -26,12 +26,12 @@ from pathlib import Path
 
 from trainer.run import failure, ledger
 from trainer.run.preempt import Interrupted, RequeueRequested
-from trainer.run.status import RunStatus, read_status
+from trainer.run.status import STOPPED, RunStatus, read_status
 from trainer.run.watchdog import HUNG_EXIT_CODE
 
 STOPPED_CODES = {  # saved on a signal (status.json): not a failure, never restarted
-    RequeueRequested.state: RequeueRequested.exit_code, "cancelled": RequeueRequested.exit_code,
-    Interrupted.state: Interrupted.exit_code}
+    RequeueRequested.state: RequeueRequested.exit_code, STOPPED: RequeueRequested.exit_code,
+    "cancelled": RequeueRequested.exit_code, Interrupted.state: Interrupted.exit_code}
 CRASH_LOOP_EXIT_CODE = 1
 
 

@@ -10,11 +10,31 @@ from trainer.run import ledger
 from trainer.run.state_files import read_state, replace_state
 
 
+STOPPED = "stopped"  # a local run saved on SIGTERM/SIGUSR1: nothing requeues it, running it again resumes it
+STOP_NOTES = {STOPPED: "saved at step {step}; run again to resume",
+              "interrupted": "Ctrl-C; saved at step {step}; run again to resume",
+              "requeue": "saved at step {step}; Slurm starts it again"}
+
+
+def stop_state(state: str, requeued: bool) -> str:
+    """What status.json says after a save on a signal: trainer/run/preempt.py's `requeue` only where a scheduler
+    will requeue the job (`requeued`: launcher.kind slurm), `stopped` for a local run; `interrupted` as it is."""
+    return STOPPED if state == "requeue" and not requeued else state
+
+
+def stop_note(state: str | None, step: int | None) -> str | None:
+    """`saved at step 40; run again to resume` for a run stopped on a signal, else None."""
+    note = STOP_NOTES.get(state or "")
+    return None if note is None or step is None else note.format(step=step)
+
+
 class RunStatus:
-    """<run dir>/status.json, written by rank 0: running | completed | requeue | interrupted | failed, and the
-    step; `hung` by whichever rank's watchdog sees the hang (trainer/run/watchdog.py); `cancelled` by a Slurm
-    task's rank 0 when the job it saved for is being cancelled, not requeued (launchers/sbatch.py); `failed`
-    with `crash loop at step N: ...` by the launcher that stops restarting (trainer/run/restart.py).
+    """<run dir>/status.json, written by rank 0: running (with the step of every log step) | completed |
+    stopped | requeue | interrupted | failed, and the step; `stopped` (a local run saved on SIGTERM/SIGUSR1)
+    and `requeue` (the same under Slurm, which starts it again) come from `stop_state`; `hung` by whichever
+    rank's watchdog sees the hang (trainer/run/watchdog.py); `cancelled` by a Slurm task's rank 0 when the job
+    it saved for is being cancelled, not requeued (launchers/sbatch.py); `failed` with `crash loop at step N:
+    ...` by the launcher that stops restarting (trainer/run/restart.py).
 
     Every record also carries what faults cost so far (trainer/run/ledger.py): `goodput`, `restarts`,
     `lost_steps`, and `straggler` once a rank was named slow.
@@ -38,7 +58,7 @@ class RunStatus:
     def refresh(self) -> None:
         """The same state, step and error, with what faults cost as of now (a straggler just named)."""
         current = self.read()
-        if self.enabled and current.get("state") in ("running", "completed", "failed", "hung", "requeue"):
+        if self.enabled and current.get("state") in ("running", "completed", "failed", "hung", "requeue", STOPPED):
             now = time.time()
             self._replace(current | live(self.path.parent).summary(now) | {"time": now})
 

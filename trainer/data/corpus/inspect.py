@@ -150,7 +150,7 @@ def report_lines(ins: Inspection) -> list[str]:
 
 
 def plot_lengths(ins: Inspection, out: str | Path) -> Path:
-    """A histogram of document lengths (log-spaced bins) as a PNG/SVG at `out`."""
+    """A histogram of document lengths (log-spaced bins) as a PNG/SVG/PDF at `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,19 +159,38 @@ def plot_lengths(ins: Inspection, out: str | Path) -> Path:
     out = Path(out)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CorpusError(f"--plot '{out}' must end in .png, .svg or .pdf")
-    lengths = ins.lengths()
-    if lengths.size == 0:
-        raise CorpusError(f"'{ins.path}' has no document index to plot; tokenize it with `mantra data tokenize`")
-    top = max(2, int(lengths.max()))
-    edges = np.unique(np.logspace(0, math.log10(top + 1), 50).astype(np.int64))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.hist(np.maximum(lengths, 1), bins=edges if edges.size > 1 else 10, color="#3b6ea8")
-    ax.set_xscale("log")
-    ax.set_xlabel("document length (tokens)")
-    ax.set_ylabel("documents")
-    ax.set_title(f"{ins.path.name}: {ins.index.documents:,} documents, {ins.tokens:,} tokens")
-    fig.tight_layout()
+    fig = length_figure(ins)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def length_bins(lengths: np.ndarray, bins: int = 50) -> np.ndarray:
+    """Log-spaced bin edges from the shortest document to the longest (an empty one counts as 1 token), so
+    the picture starts where the data starts; whole numbers, each edge once."""
+    low, high = max(1, int(lengths.min())), max(1, int(lengths.max()))
+    if high <= low:
+        return np.array([low - 0.5, low + 0.5]) if low > 1 else np.array([0.5, 1.5])
+    edges = np.unique(np.round(np.logspace(math.log10(low), math.log10(high + 1), bins)).astype(np.int64))
+    return edges if edges.size > 1 else np.array([low, high + 1])
+
+
+def length_figure(ins: Inspection):
+    """The matplotlib figure `plot_lengths` saves: documents per log-spaced length bin, the x axis from the
+    shortest document to the longest."""
+    import matplotlib.pyplot as plt
+
+    lengths = ins.lengths()
+    if lengths.size == 0:
+        raise CorpusError(f"'{ins.path}' has no document index to plot; tokenize it with `mantra data tokenize`")
+    edges = length_bins(lengths)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.hist(np.maximum(lengths, 1), bins=edges, color="#3b6ea8")
+    ax.set_xscale("log")
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel("document length (tokens)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"{ins.path.name}: {ins.index.documents:,} documents, {ins.tokens:,} tokens")
+    fig.tight_layout()
+    return fig

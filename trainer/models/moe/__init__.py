@@ -29,6 +29,7 @@ SPEC = ModelSpec(
     parallelize=lazy("trainer.models.moe.parallelize:parallelize_moe"),
     metrics=lazy("trainer.models.moe.stats:metrics"),
     metric_keys=METRIC_KEYS,
+    console_fields=(("moe_load_max_over_mean", "load max/mean {:.2f}"),),
     after_step=lazy("trainer.models.moe.stats:after_step"),
     pipeline=PIPELINE,  # the Llama's cut: the same attributes
     head=HEAD,  # the Llama's head and forward (MoETransformer derives from it)

@@ -110,6 +110,7 @@ class SimResult:
     busy: tuple[float, ...]  # per rank, time spent computing
     peak_inflight: tuple[int, ...]  # per rank, most (chunk, microbatch) activations held at once
     peak_activation: tuple[float, ...]  # the same in whole-rank units (chunks count 1/virtual_stages)
+    steps: int = 1  # consecutive training steps simulated (analysis/steps.py); `microbatches` counts them all
 
     @property
     def idle(self) -> tuple[float, ...]:

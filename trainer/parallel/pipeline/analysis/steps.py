@@ -26,7 +26,7 @@ both; bench/pipeline_bubble.py --steady K measures the runtime's overlap against
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.analysis.simulate import P2P, Costs, SimResult, simulate_ranks
@@ -93,4 +93,4 @@ def simulate_steps(ranks: Sequence[Sequence[Action]], layout: StageLayout, micro
     label = f"{name} ×{steps} steps ({'post-validation overlap' if overlap else 'barrier'})"
     sim = simulate_ranks(repeat(ranks, microbatches, steps), layout, costs or Costs(), p2p, name=label,
                          microbatches=microbatches * steps, gates=gates)
-    return StepsResult(sim=sim, steps=steps, microbatches=microbatches, overlap=overlap)
+    return StepsResult(sim=replace(sim, steps=steps), steps=steps, microbatches=microbatches, overlap=overlap)

@@ -79,10 +79,14 @@ def _amount(value: float, unit: str) -> str:
 
 
 def header(result: SimResult, unit: str = "") -> str:
-    """One line: schedule, shape, makespan, bubble rate."""
+    """One line: schedule (several steps: `1f1b ×3 steps (barrier)`), shape, makespan, bubble rate. The
+    microbatches are those of one step (`microbatches=4 per step` when several are drawn)."""
     v = f" virtual_stages={result.virtual_stages}" if result.virtual_stages > 1 else ""
+    steps = f" ×{result.steps} steps" if result.steps > 1 and f"×{result.steps} steps" not in result.name else ""
+    shape = (f"microbatches={result.microbatches // result.steps} per step{steps}" if result.steps > 1
+             else f"microbatches={result.microbatches}")
     return (
-        f"{result.name}  pp={result.pp} microbatches={result.microbatches}{v}  "
+        f"{result.name}  pp={result.pp} {shape}{v}  "
         f"makespan {_amount(result.makespan, unit)}  bubble {100 * result.bubble_rate:.1f}%  "
         f"(without the ramp {100 * result.span_bubble_rate:.1f}%)"
     )
