@@ -35,6 +35,8 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         except CorpusError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        except BrokenPipeError:
+            raise  # stdout's reader left: the pipes convention (trainer/report/pipes.py) ends quietly
         except OSError as exc:  # a read-only filesystem, a full disk, a directory where a file goes
             where = exc.filename or out
             print(f"error: {where}: {exc.strerror or exc}; choose an --out on a writable filesystem with room "
