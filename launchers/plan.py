@@ -66,7 +66,7 @@ def _layout_line(e: Estimate) -> str:
 def timeline_of(e: Estimate, steps: int):
     """The simulated pipeline to draw: the plan's one step, or `steps` consecutive ones as the runtime runs them
     (overlapped under parallel.post_validation, else with a barrier between steps)."""
-    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+    if e.layout["pp"] == 1 or steps <= 1:
         return e.timing.sim
     from trainer.plan.schedule import simulate_many
 
@@ -75,7 +75,7 @@ def timeline_of(e: Estimate, steps: int):
 
 def steps_line(e: Estimate, steps: int) -> str | None:
     """`steps` consecutive steps with a barrier between them against post-validation's overlap; which runs."""
-    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+    if steps <= 1 or e.layout["pp"] == 1:
         return None
     from trainer.plan.schedule import simulate_many
 
@@ -118,7 +118,7 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
                   f"MFU {t.mfu:.1%} of {e.device.peak_tflops:g} TFLOP/s", soft_wrap=True)
     for line in split_lines(e):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
-    if ascii_timeline and t.sim is not None and e.layout["pp"] > 1:
+    if ascii_timeline and e.layout["pp"] > 1:
         from trainer.parallel.pipeline import render_ascii
 
         console.print("pipeline timeline:")
@@ -151,7 +151,7 @@ def split_lines(e: Estimate) -> list[str]:
         out.append(f"hint: the uniform split's slowest rank computes {s.imbalance - 1:.0%} more than the mean (the last "
                    f"stage also runs the head and the loss); parallel.stage_layers: balanced would split {list(b.stage_layers)} (slowest / mean "
                    f"{b.imbalance:.3f}): step {duration(b.step_s)} instead of {duration(t.step_s)}, pipeline idle "
-                   f"{b.bubble_rate:.1%} instead of {t.sim.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
+                   f"{b.bubble_rate:.1%} instead of {t.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
                    "--set parallel.stage_layers=balanced")
     return out
 
@@ -191,7 +191,7 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
         out = e.to_json()
         out["device_reason"] = why
         out["timeline"] = str(picture) if picture else None
-        if steps > 1 and e.timing.sim is not None and e.layout["pp"] > 1:
+        if steps > 1 and e.layout["pp"] > 1:
             from trainer.plan.schedule import simulate_many
 
             out["steps"] = {"barrier": simulate_many(e.timing, steps).summary(),

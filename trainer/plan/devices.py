@@ -49,6 +49,15 @@ class Device:
     def is_gpu(self) -> bool:
         return self.key != "cpu"
 
+    def rank_share(self, world: int) -> float:
+        """The share of peak_tflops one of `world` ranks computes at: a GPU's whole; the host CPU's cores split
+        among the ranks as `mantra run` splits them (OMP_NUM_THREADS = cores // ranks, at least 1, in
+        launchers/local.py), so two ranks on two cores each run at half the host's peak."""
+        if self.is_gpu or world <= 1:
+            return 1.0
+        cores = self.gpus_per_node  # the host CPU's (host_cpu)
+        return min(max(1, cores // world), cores / world) / cores
+
 
 DEVICES: dict[str, Device] = {
     "h100": Device(

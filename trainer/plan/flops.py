@@ -35,7 +35,8 @@ bandwidth, one that spans nodes at the per-GPU network bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class Timing:
     tokens_per_s: float
     mfu: float
     efficiency: float
-    sim: object | None = None  # the pipeline SimResult (times in milliseconds), for the timeline
+    bubble_rate: float = 0.0  # the pipeline's idle share of the step (0 without a pipeline)
     stage_s: tuple[float, ...] = ()  # compute of one microbatch (F + B + W) per virtual stage
     rank_s: tuple[float, ...] = ()  # the same per pipeline rank, its stages together
     cp_s: float = 0.0  # exposed context-parallel communication (Ulysses all-to-all, ring K/V passing)
@@ -182,6 +183,15 @@ class Timing:
     sim_args: tuple = ()  # (schedule, pp, microbatches, virtual_stages, Costs in ms, options): what `sim` ran, for --steps
     ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch and combine), exposed
     ep_bytes: float = 0.0  # bytes one rank sends for expert parallel per step
+    overhead_s: float = 0.0  # seconds each pipeline action costs beyond its FLOPs (the calibration's)
+
+    @functools.cached_property
+    def sim(self):
+        """The pipeline's simulated step (a SimResult, times in milliseconds) for the timeline: replayed on demand
+        from sim_args (the step time itself comes from trainer/plan/schedule.py's makespan, equal to it)."""
+        from trainer.plan.schedule import simulate
+
+        return simulate(*self.sim_args) if self.sim_args else None
 
     @property
     def imbalance(self) -> float:
@@ -250,51 +260,105 @@ def data_parallel_comm(x: Shape, device, compute: float, bwd_last: float) -> flo
     return 0.0
 
 
-def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
-    """The step time of one rank on `device` (see the module docstring)."""
+@dataclass(frozen=True)
+class Pipeline:
+    """The compute side of a step: what the stage costs and the schedule decide, not data parallel's dials."""
+
+    compute: float  # the busiest rank's compute, bubble excluded (pp = 1: at least the launch floor)
+    bubble: float
+    makespan: float  # seconds
+    bubble_rate: float
+    stage_s: tuple[float, ...]
+    rank_s: tuple[float, ...]
+    bwd_last: float  # the loss rank's last microbatch, forward + backward (what the reductions overlap)
+    sim_args: tuple
+
+
+# Shape fields the pipeline's time does not read: a search keys its memo (`predict(memo=)`) on all the others.
+NOT_PIPELINE = frozenset({"dp_replicate", "dp_shard", "sharding", "reduce_bytes", "stage_params", "owned_params",
+                          "bucket_share", "flops_per_token", "global_tokens", "cp_kind", "ep"})
+
+
+_PIPELINE_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in NOT_PIPELINE)
+
+
+def pipeline_key(x: Shape) -> tuple:
+    """What `pipeline_time` reads of a Shape (every field but NOT_PIPELINE's), for a memo of it."""
+    return tuple(getattr(x, f) for f in _PIPELINE_FIELDS)
+
+
+def pipeline_time(x: Shape, device, rate: float, overhead: float = 0.0) -> Pipeline:
+    """The stage costs at `rate` FLOP/s (+ `overhead` seconds per pipeline action) through the schedule: the
+    busiest rank's compute and the bubble (trainer/plan/schedule.py: the makespan, equal to the simulator's)."""
     from trainer.parallel.pipeline import Costs
     from trainer.parallel.pipeline.schedules import SCHEDULES
-    from trainer.plan.schedule import simulate
+    from trainer.plan.schedule import step_makespan
 
-    m = x.model
-    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
-    rate = device.peak_tflops * 1e12 * eff
-    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
-    counts = x.stage_layers or (m.layers,)
+    counts = x.stage_layers or (x.model.layers,)
     owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
-    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
+    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward
     f, b, w = stage_times(x, device, rate, split)
+    if x.pp > 1 and overhead:  # each action, F, B and W (or a fused BW), pays it once
+        f, b = [t + overhead for t in f], [t + overhead for t in b]
+        w = [t + overhead for t in w] if split else w
     rank_f = [sum(t for t, r in zip(f, owner) if r == q) for q in range(x.pp)]
     rank_b = [sum(t for t, r in zip(b, owner) if r == q) for q in range(x.pp)]
     stage_s = tuple(sum(t) for t in zip(f, b, w))
     rank_s = tuple(sum(t for t, r in zip(stage_s, owner) if r == q) for q in range(x.pp))
     e = 2 if x.bf16 else 4
-    act_bytes = mb_tokens * m.dim * e / x.tp
+    act_bytes = x.micro_batch * x.model.seq_len / x.cp * x.model.dim * e / x.tp
     p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
-    ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
+    ms = [tuple(1e3 * t for t in ts) for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
     sim_args = (name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
                 x.schedule_options if x.pp > 1 else ())
-    sim = simulate(*sim_args)
-    compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
-    bubble = sim.makespan / 1e3 - compute
+    makespan, busy = step_makespan(*sim_args)
+    compute = max(busy) / 1e3  # pp = 1: microbatches back to back, no bubble
+    bubble = makespan / 1e3 - compute
     if x.pp == 1:
         ops = x.microbatches * (max(x.rank_layers) * OPS_PER_BLOCK + OPS_HEAD)
         compute = max(compute, ops * LAUNCH_FLOOR_S["gpu" if device.is_gpu else "cpu"])
+    idle = 1.0 - sum(busy) / (x.pp * makespan) if makespan else 0.0
+    return Pipeline(compute, bubble, makespan / 1e3, idle, stage_s, rank_s,
+                    rank_f[owner[-1]] + rank_b[owner[-1]], sim_args)
+
+
+def predict(x: Shape, device, efficiency: float | None = None, overhead: float = 0.0,
+            memo: dict | None = None) -> Timing:
+    """The step time of one rank on `device` (see the module docstring). `overhead`: seconds each pipeline action
+    costs beyond its FLOPs (`mantra plan --calibrate`). `memo`: a dict a search keeps for its candidates, which
+    holds each distinct pipeline's time (pipeline_key) so a layout that differs only in data parallel reuses it."""
+    m = x.model
+    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
+    rate = device.peak_tflops * 1e12 * eff * device.rank_share(x.world)
+    key = (pipeline_key(x), rate, overhead) if memo is not None else None
+    pipe = memo.get(key) if memo is not None else None
+    if pipe is None:
+        pipe = pipeline_time(x, device, rate, overhead)
+        if memo is not None:
+            memo[key] = pipe
+    e = 2 if x.bf16 else 4
+    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
     # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
     per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
     tp_s = max(x.rank_layers) * x.microbatches * per_block
-    bwd_last = rank_f[owner[-1]] + rank_b[owner[-1]]  # the loss rank's last microbatch, which the reductions overlap
-    exposed = data_parallel_comm(x, device, compute, bwd_last)
+    exposed = data_parallel_comm(x, device, pipe.compute, pipe.bwd_last)
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     cp_s, cp_bytes = context_comm(x, device, e, rate)
     ep_s, ep_bytes = expert_comm(x, device, e)
-    step = compute + bubble + tp_s + exposed + optimizer + cp_s + ep_s
+    step = pipe.compute + pipe.bubble + tp_s + exposed + optimizer + cp_s + ep_s
     model = x.flops_per_token * x.global_tokens
+    split = x.pp > 1 and _split_backward(x.schedule)  # B and W each recompute a checkpointed block
     hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
-    return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args,
-                  ep_s, ep_bytes)
+    return Timing(model, hardware, pipe.compute, pipe.bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, pipe.bubble_rate, pipe.stage_s, pipe.rank_s,
+                  cp_s, cp_bytes, pipe.sim_args, ep_s, ep_bytes, overhead)
+
+
+def _split_backward(schedule: str) -> bool:
+    from trainer.parallel.pipeline.schedules import SCHEDULES
+
+    return SCHEDULES.get(schedule).split_backward
 
 
 def expert_comm(x: Shape, device, e: int) -> tuple[float, float]:
