@@ -338,10 +338,7 @@ def predict(x: Shape, device, efficiency: float | None = None, overhead: float =
         if memo is not None:
             memo[key] = pipe
     e = 2 if x.bf16 else 4
-    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
-    # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
-    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
-    tp_s = max(x.rank_layers) * x.microbatches * per_block
+    tp_s = tensor_parallel_comm(x, device)
     exposed = data_parallel_comm(x, device, pipe.compute, pipe.bwd_last)
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     cp_s, cp_bytes = context_comm(x, device, e, rate)
@@ -353,6 +350,15 @@ def predict(x: Shape, device, efficiency: float | None = None, overhead: float =
     return Timing(model, hardware, pipe.compute, pipe.bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
                   model / (step * device.peak_tflops * 1e12 * x.world), eff, pipe.bubble_rate, pipe.stage_s, pipe.rank_s,
                   cp_s, cp_bytes, pipe.sim_args, ep_s, ep_bytes, overhead)
+
+
+def tensor_parallel_comm(x: Shape, device) -> float:
+    """Seconds of tensor parallel's collectives per step on the busiest rank: 2 all-reduces in the forward and
+    2 in the backward per block and microbatch (+2 to recompute under full recompute), none hidden."""
+    m, e = x.model, 2 if x.bf16 else 4
+    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens
+    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
+    return max(x.rank_layers) * x.microbatches * per_block
 
 
 def _split_backward(schedule: str) -> bool:

@@ -73,14 +73,18 @@ class CompiledStep:
 def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> CompiledStep:
     """Compile per-rank compute-only lists (F, B, W, BW) on `layout`; Deadlock if no order can run them."""
     flat = [(r, a) for r, rank in enumerate(lists) for a in rank]
-    if any(not a.is_compute for _, a in flat):
+    if any(not a.kind.is_compute for _, a in flat):
         raise ValueError("compile_lists takes compute-only lists (schedule.compute_only())")
-    index: dict[tuple[Kind, int, int], int] = {}
+    stages = layout.num_stages
+    mbs = 1 + max((a.microbatch for _, a in flat), default=0)
+    code = {kind: i for i, kind in enumerate(_KINDS)}  # F 0, B 1, W 2, BW 3
+    kinds = [code[a.kind] for _, a in flat]
+    index: dict[int, int] = {}  # (kind, stage, microbatch) as one number -> the action that produces it
     for i, (_, a) in enumerate(flat):
-        for kind in (Kind.B, Kind.W) if a.kind == Kind.BW else (a.kind,):
-            index[(kind, a.stage, a.microbatch)] = i
-    last = layout.num_stages - 1
-    rank_of = [layout.rank_of(s) for s in range(layout.num_stages)]
+        k = kinds[i]
+        for produced in ((1, 2) if k == 3 else (k,)):
+            index[(produced * stages + a.stage) * mbs + a.microbatch] = i
+    rank_of = [layout.rank_of(s) for s in range(stages)]
     n = len(flat)
     prev, first, fcomm = [NONE] * n, [NONE] * n, [NONE] * n
     second, scomm = [-2] * n, [NONE] * n
@@ -88,28 +92,27 @@ def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> Com
     for i, (r, a) in enumerate(flat):
         prev[i] = ranks[r][-1] if ranks[r] else NONE
         ranks[r].append(i)
-        s, mb = a.stage, a.microbatch
-        if a.kind == Kind.F and s > 0:
-            first[i] = _input(index, (Kind.F, s - 1, mb), a)
+        s, mb, k = a.stage, a.microbatch, kinds[i]
+        if k == 0 and s > 0:  # F: the upstream forward
+            first[i] = _input(index, (s - 1) * mbs + mb, a, "F", s - 1)
             fcomm[i] = s - 1 if rank_of[s - 1] != rank_of[s] else NONE
-        elif a.kind == Kind.W:
-            first[i] = _input(index, (Kind.B, s, mb), a)
-        elif a.kind in (Kind.B, Kind.BW):
-            first[i] = _input(index, (Kind.F, s, mb), a)
-            if s < last:
-                second[i] = _input(index, (Kind.B, s + 1, mb), a)
+        elif k == 2:  # W: its own B
+            first[i] = _input(index, (stages + s) * mbs + mb, a, "B", s)
+        elif k in (1, 3):  # B, BW: its own forward, and the gradient from downstream
+            first[i] = _input(index, s * mbs + mb, a, "F", s)
+            if s < stages - 1:
+                second[i] = _input(index, (stages + s + 1) * mbs + mb, a, "B", s + 1)
                 scomm[i] = s if rank_of[s + 1] != rank_of[s] else NONE
             else:
                 second[i] = NONE
     order = _dependency_order(prev, first, second, n, lists, flat)
     return CompiledStep(layout, tuple(map(tuple, ranks)), order, tuple(prev), tuple(first), tuple(fcomm),
-                        tuple(second), tuple(scomm),
-                        tuple(_KINDS.index(a.kind) * layout.num_stages + a.stage for _, a in flat))
+                        tuple(second), tuple(scomm), tuple(k * stages + a.stage for k, (_, a) in zip(kinds, flat)))
 
 
-def _input(index: dict, key: tuple[Kind, int, int], action: Action) -> int:
+def _input(index: dict[int, int], key: int, action: Action, kind: str, stage: int) -> int:
     if key not in index:
-        raise Deadlock(f"{action} waits for {key[1]}{key[0].value}{key[2]}, which no rank runs")
+        raise Deadlock(f"{action} waits for {stage}{kind}{action.microbatch}, which no rank runs")
     return index[key]
 
 

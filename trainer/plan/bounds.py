@@ -1,0 +1,271 @@
+"""Lower bounds of a layout's peak memory and step time, cheap enough to take for every candidate of a search.
+
+    b = Bounds(base, gpus, device, calibration)
+    b.memory(d) <= the plan's peak,  b.time(d) <= the plan's step time      (d: a dials.Dials)
+
+A layout whose memory bound exceeds the capacity cannot fit; one whose time bound is beyond the N-th fastest
+fitting layout, and that a faster fitting layout beats on memory too, is neither among the N fastest nor on
+the Pareto front (search.py). Both bounds use only terms that do not need the layout's schedule lists, its
+model states bucket by bucket, or its simulation:
+
+memory  per pipeline rank, its parameters P (each block's elements at this tp and ep, the embedding on rank 0
+        and with a tied head on the last, the head on the last) times the bytes per parameter of the sharding
+        (model_states.bytes_per_param, padding left out), and either every gradient (the optimizer step) or a
+        microbatch of its blocks' activations (activations.block_bytes per block, one chunk of them: any backward
+        holds at least the microbatch it runs), whichever is more; post-validation's redo holds the parameters
+        and optimizer states twice. A balanced split is bounded by both splits `balance` chooses between.
+time    the busiest rank's compute (flops.stage_times: the microbatches' F + B + W of its stages, after the
+        forwards that must reach its first stage and, without a split backward, before the backwards that must
+        leave it) + tensor, context and expert parallel's exposed collectives
+        (flops' own functions) + the optimizer step of the parameters it owns at least; the bubble beyond the
+        first forwards and data parallel's exposed tail are left out.
+
+Every layout the search evaluates checks its exact peak and step against them (evaluate.py): a bound above
+the plan is an error, never a silently missed layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from trainer.manifest import Resolved
+from trainer.manifest.choices import OptimizerName
+from trainer.parallel.pipeline.analysis.balance import nearest_splits, uniform
+from trainer.parallel.pipeline.schedules import SCHEDULES
+from trainer.parallel.pipeline.stages import StageLayout
+from trainer.plan import activations as act
+from trainer.plan.devices import Device
+from trainer.plan.dials import Dials
+from trainer.plan.efficiency import Calibration
+from trainer.plan.estimate import is_bf16
+from trainer.plan.flops import (
+    LAUNCH_FLOOR_S,
+    OPS_HEAD,
+    OPS_PER_BLOCK,
+    Shape,
+    context_comm,
+    data_parallel_comm,
+    expert_comm,
+    stage_times,
+    tensor_parallel_comm,
+)
+from trainer.plan.kinds import plan_of
+from trainer.plan.model_states import bytes_per_param
+from trainer.plan.moments import schedule_moments
+from trainer.plan.shapes import local_numel, rank_layers
+from trainer.plan.split import costs_for
+
+SLACK = 1 - 1e-9  # the bounds' own rounding kept below the plan's
+ROOM = 1 + 1e-9  # and what they take at its most, above
+
+
+class Bounds:
+    """The bounds of one search's candidates (module docstring); what they share is computed once."""
+
+    def __init__(self, base: Resolved, gpus: int, device: Device, calibration: Calibration):
+        m = base.manifest
+        self.m, self.device, self.calib = m, device, calibration
+        self.pm = plan_of(m.model)
+        self.bf16 = is_bf16(base, device)
+        self.adamw = m.optimizer.name == OptimizerName.adamw
+        self.global_tokens = base.tokens_per_step
+        self.world = gpus
+        self.reduce_bytes = 2 if m.parallel.reduce_dtype.value == "bf16" else 4
+        self.rate = device.peak_tflops * 1e12 * calibration.efficiency * device.rank_share(self.world)
+        self.e = 2 if self.bf16 else 4
+        self._ranks: dict[tuple, list[tuple[int, int, int]]] = {}
+        self._pipes: dict[tuple, tuple] = {}
+        self._splits: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+        self._comm: dict[tuple, float] = {}
+
+    def memory(self, d: Dials) -> float:
+        return min(self._memory(d, counts) for counts in self.splits(d))
+
+    def time(self, d: Dials) -> float:
+        return min(self._time(d, counts) for counts in self.splits(d))
+
+    def splits(self, d: Dials) -> tuple[tuple[int, ...], ...]:
+        """The stage splits the layout can have: uniform, or the two `balanced` chooses between."""
+        key = (d.pp, d.virtual_stages, d.schedule, d.recompute, d.stage_layers)
+        out = self._splits.get(key)
+        if out is None:
+            out = self._splits[key] = _splits(self.m.model, self.pm.layers, *key)
+        return out
+
+    def uniform_choice(self, d: Dials) -> bool:
+        """Whether `balanced` has no choice but the uniform split (a layout equal to its uniform twin)."""
+        (counts, *others) = self.splits(d)
+        return not others and len(set(counts)) == 1 and counts[0] * len(counts) == self.pm.layers
+
+    def ranks(self, d: Dials, counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """Per pipeline rank: (its parameters' elements at this tp and ep, its blocks, its first virtual stage)."""
+        v_style = d.schedule == "zb-v"
+        key = (counts, d.pp, d.virtual_stages, v_style, d.tp, d.ep)
+        out = self._ranks.get(key)
+        if out is None:
+            out = self._ranks[key] = self._rank_params(counts, d, v_style)
+        return out
+
+    def _rank_params(self, counts: tuple[int, ...], d: Dials, v_style: bool) -> list[tuple[int, int, int]]:
+        embed, blocks, head = self.pm.parts
+        per_block = _block_numels(self.pm, d.tp, d.ep)
+        outside = sum(local_numel(q, d.tp, d.ep) for q in embed), sum(local_numel(q, d.tp, d.ep) for q in head)
+        layout = StageLayout(d.pp, d.virtual_stages, "v" if v_style else "loop")
+        last_rank = layout.rank_of(layout.num_stages - 1)
+        out = []
+        for r, held in enumerate(rank_layers(self.pm.layers, d.pp, d.virtual_stages, counts, v_style)):
+            n = sum(per_block[i] for i in held)
+            n += outside[0] if (r == 0 or (self.pm.tied and r == last_rank)) else 0
+            n += outside[1] if r == last_rank else 0
+            out.append((n, len(held), layout.stages_of(r)[0]))
+        return out
+
+    def _memory(self, d: Dials, counts: tuple[int, ...]) -> float:
+        local = d.dp * d.cp == 1
+        params, grads, adam = bytes_per_param("none" if local else d.sharding, d.dp_shard * d.cp)
+        states = params + (adam if self.adamw else 0.0)
+        kept = not local and d.sharding in ("none", "zero1", "zero2")  # gradient buckets live through the step
+        block, wgrad, loss = _activations(self.pm, self.bf16, not local and d.sharding == "zero3", d.cp, d.micro_batch,
+                                          d.recompute, d.tp, d.sp and d.tp > 1)
+        redo = d.post_validation or (d.post_validation is None and _post_validated_by_default(d))
+        last = _last_rank(d)
+        moments = _moments(d.schedule, d.pp, d.microbatches, d.virtual_stages)
+        worst = 0.0
+        for r, (n, layers, _) in enumerate(self.ranks(d, counts)):
+            held = n * states
+            # a backward holds the microbatches in flight (and those waiting for their W); the loss backward also
+            # its head and logits
+            acts = max((layers * (h * block + w * wgrad) + (loss if r == last and at_loss else 0.0)
+                        for h, w, at_loss in moments[r]), default=0.0) if layers else 0.0
+            bound = held + (n * grads + acts if kept else max(n * grads, acts))
+            if redo:  # post-validation's redo: parameters and optimizer states twice
+                bound = max(bound, 2 * held + n * grads)
+            worst = max(worst, bound)
+        return worst * SLACK
+
+    def _time(self, d: Dials, counts: tuple[int, ...]) -> float:
+        zero3 = d.sharding == "zero3" and d.dp * d.cp > 1  # (selective recompute's bytes: zero3 gathers bf16)
+        key = (d.tp, d.sp, d.cp, d.pp, d.virtual_stages, d.schedule, d.microbatches, d.micro_batch, d.recompute,
+               counts, zero3)
+        pipe = self._pipes.get(key)
+        if pipe is None:
+            x = self.shape(d, counts)
+            pipe = self._pipes[key] = (x, *_compute(x, self.device, self.rate, self.calib.action_overhead_s),
+                                       tensor_parallel_comm(x, self.device))
+        x, least, most, bwd_last, tp_s = pipe
+        ranks = self.ranks(d, counts)
+        mode = "none" if d.dp * d.cp == 1 else d.sharding
+        owners = 1 if mode == "none" else d.dp_shard * d.cp
+        optimizer = 28 * max(n for n, _, _ in ranks) / owners / (self.device.hbm_gbps * 1e9)
+        cp_key, ep_key = (key, d.cp_kind), (key, d.ep)
+        if cp_key not in self._comm:
+            self._comm[cp_key] = context_comm(replace(x, cp_kind=d.cp_kind), self.device, self.e, self.rate)[0]
+        if ep_key not in self._comm:
+            self._comm[ep_key] = expert_comm(replace(x, ep=d.ep), self.device, self.e)[0]
+        dp_key = (key, d.ep, mode, d.dp_replicate, d.dp_shard)
+        if dp_key not in self._comm:  # data parallel's tail, its last bucket left out, the compute it overlaps at its most
+            dp = replace(x, sharding="local" if d.dp * d.cp == 1 else mode, dp_replicate=d.dp_replicate,
+                         dp_shard=d.dp_shard * d.cp, reduce_bytes=self.reduce_bytes,
+                         stage_params=tuple(n for n, _, _ in ranks), bucket_share=0.0)
+            self._comm[dp_key] = data_parallel_comm(dp, self.device, most, bwd_last)
+        comm = tp_s + self._comm[cp_key] + self._comm[ep_key] + self._comm[dp_key]
+        return (least + comm + optimizer) * SLACK
+
+    def shape(self, d: Dials, counts: tuple[int, ...]) -> Shape:
+        """The time model's view of the layout, with data parallel's fields left empty (the bounds do not read them)."""
+        ranks = self.ranks(d, counts)
+        sp = d.sp and d.tp > 1
+        zero3 = d.sharding == "zero3" and d.dp * d.cp > 1
+        remat = _remat(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.tp, sp)
+        layout = StageLayout(d.pp, d.virtual_stages, "v" if d.schedule == "zb-v" else "loop")
+        return Shape(self.pm, self.world, d.tp, d.pp, d.virtual_stages, 1, 1, "none", d.schedule, d.microbatches,
+                     d.micro_batch, d.recompute, self.bf16, 4, tuple(layers for _, layers, _ in ranks), (), 0.0, 0.0,
+                     self.pm.flops_per_token, self.global_tokens, remat, counts,
+                     tuple(layout.rank_of(s) for s in range(layout.num_stages)), (), d.cp, d.cp_kind, d.ep)
+
+
+HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches
+
+
+@functools.lru_cache(maxsize=1024)
+def _moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[tuple[float, float, bool], ...], ...]:
+    """Per pipeline rank, what it holds when each backward starts there (moments.py: microbatches of its blocks in
+    flight, those waiting for their W, whether it is the loss backward), at min(microbatches, HELD_CAP·pp)
+    microbatches: no more than at the step's own count, since a schedule holds no fewer with more microbatches
+    (tests/test_plan_search.py checks every generator), and the lists stay small. zb-auto (its lists depend on
+    costs) and pp = 1: one microbatch of one chunk, at the loss."""
+    if pp == 1 or schedule == "zb-auto":
+        return (((1.0 / v, 0.0, True),),) * pp
+    m = min(microbatches, HELD_CAP * pp)
+    return tuple(tuple(sorted({(x.held, x.pending_w, x.at_loss) for x in rank}))
+                 for rank in schedule_moments(schedule, pp, m, v, ()))
+
+
+def _last_rank(d: Dials) -> int:
+    layout = StageLayout(d.pp, d.virtual_stages, "v" if d.schedule == "zb-v" else "loop")
+    return layout.rank_of(layout.num_stages - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _activations(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, recompute: str, tp: int,
+                 sp: bool) -> tuple[float, float, float]:
+    """On one rank, per microbatch: a block's activations, what a block keeps for its W between B and W, and the
+    loss backward's head activations and logits."""
+    precision = act.Precision(bf16, fsdp_bf16=bf16 and zero3)
+    local = pm.with_seq_len(pm.seq_len // cp)
+    block = act.block_bytes(local, micro_batch, recompute, precision, tp, sp)
+    wgrad = act.weight_grad_inputs(local, micro_batch, precision, tp, sp)
+    head = act.on_rank(act.head_terms(local, micro_batch, precision), tp, sp)
+    return block, wgrad, head + act.logits_bytes(local, micro_batch, tp, False)["loss"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _remat(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, tp: int, sp: bool) -> float:
+    precision = act.Precision(bf16, fsdp_bf16=bf16 and zero3)
+    return act.working_set(pm.with_seq_len(pm.seq_len // cp), micro_batch, "selective", precision, tp, sp)
+
+
+def _post_validated_by_default(d: Dials) -> bool:
+    return d.pp > 1 and d.schedule in ("zb-h2", "zb-v") and d.sharding != "zero3"
+
+
+def _compute(x: Shape, device: Device, rate: float, overhead: float) -> tuple[float, float, float]:
+    """(the least the schedule's compute and bubble can take, the most the busiest rank computes, the most its
+    last microbatch's forward and backward take): the busiest rank's work after the forwards that must reach
+    its first stage, and flops.pipeline_time's compute and bwd_last with room for rounding."""
+    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward
+    f, b, w = stage_times(x, device, rate, split)
+    if x.pp > 1 and overhead:
+        f, b = [t + overhead for t in f], [t + overhead for t in b]
+        w = [t + overhead for t in w] if split else w
+    busy, fb = [0.0] * x.pp, [0.0] * x.pp
+    for s, r in enumerate(x.stage_rank):
+        busy[r] += f[s] + b[s] + w[s]
+        fb[r] += f[s] + b[s]
+    firsts = [x.stage_rank.index(r) for r in range(x.pp)]  # each rank's lowest stage
+    # before a rank's first forward, the forwards of the stages below it; after its last backward (a fused one:
+    # without a split backward nothing but backwards ends a rank's list), the backwards of the stages below it
+    ramp = [sum(f[:first]) + (0.0 if split else sum(b[:first]) + sum(w[:first])) for first in firsts]
+    least = max(x.microbatches * busy[r] + ramp[r] for r in range(x.pp))
+    most = x.microbatches * max(busy)
+    if x.pp == 1:
+        ops = x.microbatches * (max(x.rank_layers) * OPS_PER_BLOCK + OPS_HEAD)
+        floor = ops * LAUNCH_FLOOR_S["gpu" if device.is_gpu else "cpu"]
+        least, most = max(least, floor), max(most, floor)
+    return least, most * ROOM, fb[x.stage_rank[-1]] * ROOM
+
+
+@functools.lru_cache(maxsize=256)
+def _block_numels(pm, tp: int, ep: int) -> tuple[int, ...]:
+    return tuple(sum(local_numel(q, tp, ep) for q in block) for block in pm.parts[1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(cfg, layers: int, pp: int, v: int, schedule: str, recompute: str,
+            stage_layers: str | None) -> tuple[tuple[int, ...], ...]:
+    if stage_layers is None or pp == 1:
+        return (uniform(layers, pp * v),)
+    spec = SCHEDULES.get(schedule)
+    late, early = nearest_splits(layers, StageLayout(pp, v, spec.style), costs_for(cfg, recompute, spec.split_backward))
+    return (late,) if late == early else (late, early)
