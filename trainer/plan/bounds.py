@@ -51,6 +51,7 @@ from trainer.plan.flops import (
     tensor_parallel_comm,
 )
 from trainer.plan.kinds import plan_of
+from trainer.plan.memory import moments_without_pipeline
 from trainer.plan.model_states import bytes_per_param
 from trainer.plan.moments import schedule_moments
 from trainer.plan.shapes import local_numel, rank_layers
@@ -72,12 +73,14 @@ class Bounds:
         self.global_tokens = base.tokens_per_step
         self.world = gpus
         self.reduce_bytes = 2 if m.parallel.reduce_dtype.value == "bf16" else 4
+        self.grad_bytes = 2 if (self.bf16 and m.parallel.reduce_dtype.value == "bf16") else 4  # memory.Setup's
         self.rate = device.peak_tflops * 1e12 * calibration.efficiency * device.rank_share(self.world)
         self.e = 2 if self.bf16 else 4
         self._ranks: dict[tuple, list[tuple[int, int, int]]] = {}
         self._pipes: dict[tuple, tuple] = {}
         self._splits: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         self._comm: dict[tuple, float] = {}
+        self._rank_entries: dict[tuple, list[tuple]] = {}
 
     def memory(self, d: Dials) -> float:
         return min(self._memory(d, counts) for counts in self.splits(d))
@@ -98,8 +101,9 @@ class Bounds:
         (counts, *others) = self.splits(d)
         return not others and len(set(counts)) == 1 and counts[0] * len(counts) == self.pm.layers
 
-    def ranks(self, d: Dials, counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """Per pipeline rank: (its parameters' elements at this tp and ep, its blocks, its first virtual stage)."""
+    def ranks(self, d: Dials, counts: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+        """Per pipeline rank: (its parameters' elements at this tp and ep, its blocks, the elements outside its
+        blocks (embedding, head), those of its smallest block)."""
         v_style = d.schedule == "zb-v"
         key = (counts, d.pp, d.virtual_stages, v_style, d.tp, d.ep)
         out = self._ranks.get(key)
@@ -107,18 +111,34 @@ class Bounds:
             out = self._ranks[key] = self._rank_params(counts, d, v_style)
         return out
 
-    def _rank_params(self, counts: tuple[int, ...], d: Dials, v_style: bool) -> list[tuple[int, int, int]]:
-        embed, blocks, head = self.pm.parts
+    def _rank_params(self, counts: tuple[int, ...], d: Dials, v_style: bool) -> list[tuple[int, int, int, int]]:
+        embed, _, head = self.pm.parts
         per_block = _block_numels(self.pm, d.tp, d.ep)
-        outside = sum(local_numel(q, d.tp, d.ep) for q in embed), sum(local_numel(q, d.tp, d.ep) for q in head)
-        layout = StageLayout(d.pp, d.virtual_stages, "v" if v_style else "loop")
-        last_rank = layout.rank_of(layout.num_stages - 1)
+        embed_n, head_n = (sum(local_numel(q, d.tp, d.ep) for q in part) for part in (embed, head))
+        last_rank = _last_rank(d)
         out = []
         for r, held in enumerate(rank_layers(self.pm.layers, d.pp, d.virtual_stages, counts, v_style)):
-            n = sum(per_block[i] for i in held)
-            n += outside[0] if (r == 0 or (self.pm.tied and r == last_rank)) else 0
-            n += outside[1] if r == last_rank else 0
-            out.append((n, len(held), layout.stages_of(r)[0]))
+            outside = (embed_n if (r == 0 or (self.pm.tied and r == last_rank)) else 0) + (head_n if r == last_rank else 0)
+            out.append((sum(per_block[i] for i in held) + outside, len(held), outside,
+                         min((per_block[i] for i in held), default=0)))
+        return out
+
+    def _entries(self, d: Dials, counts: tuple[int, ...]) -> list[tuple]:
+        """Per pipeline rank that can hold the peak (ranks another one outdoes in every term are dropped):
+        (elements, elements outside its blocks, of its smallest block, its blocks x the microbatches in flight and
+        waiting for W at a few of its backwards, and at its loss backwards with the loss microbatches held)."""
+        moments = _moments(d.schedule, d.pp, d.microbatches, d.virtual_stages)
+        key = (counts, d.pp, d.virtual_stages, d.schedule, moments, d.tp, d.ep)
+        out = self._rank_entries.get(key)
+        if out is not None:
+            return out
+        last = _last_rank(d)
+        entries = []
+        for r, (n, layers, outside, smallest) in enumerate(self.ranks(d, counts)):
+            plain = [(layers * h, layers * w, warm) for h, w, _, _, warm in moments[r]] if layers else []
+            loss = [(layers * h, layers * w, head, warm) for h, w, at_loss, head, warm in moments[r] if at_loss and r == last]
+            entries.append((n, outside, smallest, _some(plain, 3), _some(loss, 4)))
+        out = self._rank_entries[key] = _undominated(entries)
         return out
 
     def _memory(self, d: Dials, counts: tuple[int, ...]) -> float:
@@ -126,19 +146,31 @@ class Bounds:
         params, grads, adam = bytes_per_param("none" if local else d.sharding, d.dp_shard * d.cp)
         states = params + (adam if self.adamw else 0.0)
         kept = not local and d.sharding in ("none", "zero1", "zero2")  # gradient buckets live through the step
-        block, wgrad, loss = _activations(self.pm, self.bf16, not local and d.sharding == "zero3", d.cp, d.micro_batch,
-                                          d.recompute, d.tp, d.sp and d.tp > 1)
+        zero3 = not local and d.sharding == "zero3"
+        block, wgrad, ws, head, logits = _activations(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.recompute, d.tp,
+                                                      d.sp and d.tp > 1)
+        unit = 2 if self.bf16 else 4  # zero3's gathered parameters
+        whole = zero3 and d.pp > 1  # zero3 under pp keeps its stages whole for the step
+        # earlier microbatches' gradients, where they stay apart from the buckets: plain .grad (one rank), zero3's
+        # unsharded accumulation (whole under pp, in the reduce dtype there)
+        early = (self.grad_bytes if whole else 4) if local or zero3 else 0
         redo = d.post_validation or (d.post_validation is None and _post_validated_by_default(d))
-        last = _last_rank(d)
-        moments = _moments(d.schedule, d.pp, d.microbatches, d.virtual_stages)
         worst = 0.0
-        for r, (n, layers, _) in enumerate(self.ranks(d, counts)):
+        for n, outside, smallest, plain, loss in self._entries(d, counts):
             held = n * states
-            # a backward holds the microbatches in flight (and those waiting for their W); the loss backward also
-            # its head and logits
-            acts = max((layers * (h * block + w * wgrad) + (loss if r == last and at_loss else 0.0)
-                        for h, w, at_loss in moments[r]), default=0.0) if layers else 0.0
-            bound = held + (n * grads + acts if kept else max(n * grads, acts))
+            gathered = unit * n if whole else 0.0
+            # a block's backward: the microbatches in flight and waiting for W, the block recomputed (recompute's
+            # working set); zero3 block by block also gathers the root unit and the block (twice: the gathered copy
+            # and the unsharded parameters)
+            units = unit * (outside + 2 * smallest) if zero3 and not whole else 0.0
+            acts = max((hb * block + wb * wgrad + ws + units + warm * early * n for hb, wb, warm in plain if hb >= 0),
+                       default=0.0)
+            # the loss backward: also the head's activations and the logits of the held loss microbatches
+            acts = max(acts, max((hb * block + wb * wgrad + heads * head + logits["loss"] + (heads - 1) * logits["other"]
+                                  + warm * early * n for hb, wb, heads, warm in loss if hb >= 0), default=0.0))
+            bound = held + max(n * grads, gathered + (n * grads if kept else 0.0) + acts)
+            if whole:  # after the last backward: whole parameters and gradients beside the shards they reduce into
+                bound = max(bound, held + gathered + early * n + n * grads)
             if redo:  # post-validation's redo: parameters and optimizer states twice
                 bound = max(bound, 2 * held + n * grads)
             worst = max(worst, bound)
@@ -157,7 +189,7 @@ class Bounds:
         ranks = self.ranks(d, counts)
         mode = "none" if d.dp * d.cp == 1 else d.sharding
         owners = 1 if mode == "none" else d.dp_shard * d.cp
-        optimizer = 28 * max(n for n, _, _ in ranks) / owners / (self.device.hbm_gbps * 1e9)
+        optimizer = 28 * max(r[0] for r in ranks) / owners / (self.device.hbm_gbps * 1e9)
         cp_key, ep_key = (key, d.cp_kind), (key, d.ep)
         if cp_key not in self._comm:
             self._comm[cp_key] = context_comm(replace(x, cp_kind=d.cp_kind), self.device, self.e, self.rate)[0]
@@ -167,7 +199,7 @@ class Bounds:
         if dp_key not in self._comm:  # data parallel's tail, its last bucket left out, the compute it overlaps at its most
             dp = replace(x, sharding="local" if d.dp * d.cp == 1 else mode, dp_replicate=d.dp_replicate,
                          dp_shard=d.dp_shard * d.cp, reduce_bytes=self.reduce_bytes,
-                         stage_params=tuple(n for n, _, _ in ranks), bucket_share=0.0)
+                         stage_params=tuple(r[0] for r in ranks), bucket_share=0.0)
             self._comm[dp_key] = data_parallel_comm(dp, self.device, most, bwd_last)
         comm = tp_s + self._comm[cp_key] + self._comm[ep_key] + self._comm[dp_key]
         return (least + comm + optimizer) * SLACK
@@ -180,26 +212,51 @@ class Bounds:
         remat = _remat(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.tp, sp)
         layout = StageLayout(d.pp, d.virtual_stages, "v" if d.schedule == "zb-v" else "loop")
         return Shape(self.pm, self.world, d.tp, d.pp, d.virtual_stages, 1, 1, "none", d.schedule, d.microbatches,
-                     d.micro_batch, d.recompute, self.bf16, 4, tuple(layers for _, layers, _ in ranks), (), 0.0, 0.0,
+                     d.micro_batch, d.recompute, self.bf16, 4, tuple(r[1] for r in ranks), (), 0.0, 0.0,
                      self.pm.flops_per_token, self.global_tokens, remat, counts,
                      tuple(layout.rank_of(s) for s in range(layout.num_stages)), (), d.cp, d.cp_kind, d.ep)
 
 
-HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches
+HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches (gpipe: all, when small)
+GPIPE_PASSES = 2**13
 
 
 @functools.lru_cache(maxsize=1024)
-def _moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[tuple[float, float, bool], ...], ...]:
+def _moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[tuple, ...], ...]:
     """Per pipeline rank, what it holds when each backward starts there (moments.py: microbatches of its blocks in
-    flight, those waiting for their W, whether it is the loss backward), at min(microbatches, HELD_CAP·pp)
-    microbatches: no more than at the step's own count, since a schedule holds no fewer with more microbatches
-    (tests/test_plan_search.py checks every generator), and the lists stay small. zb-auto (its lists depend on
-    costs) and pp = 1: one microbatch of one chunk, at the loss."""
-    if pp == 1 or schedule == "zb-auto":
-        return (((1.0 / v, 0.0, True),),) * pp
-    m = min(microbatches, HELD_CAP * pp)
-    return tuple(tuple(sorted({(x.held, x.pending_w, x.at_loss) for x in rank}))
+    flight, those waiting for their W, whether it is the loss backward, the loss microbatches held, whether earlier
+    microbatches' gradients exist), read off the
+    schedule at fewer microbatches where the step has many: a schedule holds no more with fewer (tests/
+    test_plan_search.py checks every generator), and the lists stay small. zb-auto (its lists depend on costs)
+    one microbatch of one chunk, at the loss; pp = 1: one microbatch at a time (memory.moments_without_pipeline)."""
+    if pp == 1:
+        return tuple((x.held, x.pending_w, x.at_loss, x.head, x.warm) for x in moments_without_pipeline(microbatches)),
+    if schedule == "zb-auto":
+        return (((1.0 / v, 0.0, True, 1, False),),) * pp
+    gpipe_all = schedule == "gpipe" and pp * microbatches <= GPIPE_PASSES
+    m = microbatches if gpipe_all else min(microbatches, HELD_CAP * pp)
+    return tuple(tuple(sorted({(x.held, x.pending_w, x.at_loss, x.head, x.warm) for x in rank}))
                  for rank in schedule_moments(schedule, pp, m, v, ()))
+
+
+def _some(points: list[tuple], size: int) -> tuple[tuple, ...]:
+    """For each coordinate, the point largest in it (then in the others): `size` points of the moments a bound
+    reads (fewer points make a smaller bound, never a wrong one); (-1, ...) where there are none."""
+    if not points:
+        return ((-1,) * size,) * size
+    return tuple(max(points, key=lambda p, i=i: (p[i], p)) for i in range(size))
+
+
+def _undominated(entries: list[tuple]) -> list[tuple]:
+    """Ranks whose every term another rank matches or exceeds hold no maximum: drop them (ties keep one). A rank
+    is covered when its elements and each of its chosen moments are no larger than the other rank's."""
+    flat = [(e, (e[0], e[1], e[2], *(x for p in e[3] for x in p), *(x for p in e[4] for x in p))) for e in entries]
+    flat.sort(key=lambda ev: ev[1], reverse=True)
+    kept: list[tuple] = []
+    for e, vec in flat:
+        if not any(all(a >= b for a, b in zip(other, vec)) for _, other in kept):
+            kept.append((e, vec))
+    return [e for e, _ in kept]
 
 
 def _last_rank(d: Dials) -> int:
@@ -209,15 +266,17 @@ def _last_rank(d: Dials) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _activations(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, recompute: str, tp: int,
-                 sp: bool) -> tuple[float, float, float]:
-    """On one rank, per microbatch: a block's activations, what a block keeps for its W between B and W, and the
-    loss backward's head activations and logits."""
+                 sp: bool) -> tuple[float, float, float, float, dict[str, float]]:
+    """On one rank, per microbatch: a block's activations, what a block keeps for its W between B and W, what
+    recomputing a block adds while its backward runs, the head's activations, and the logits region
+    (activations.logits_bytes)."""
     precision = act.Precision(bf16, fsdp_bf16=bf16 and zero3)
     local = pm.with_seq_len(pm.seq_len // cp)
     block = act.block_bytes(local, micro_batch, recompute, precision, tp, sp)
     wgrad = act.weight_grad_inputs(local, micro_batch, precision, tp, sp)
+    ws = act.working_set(local, micro_batch, recompute, precision, tp, sp)
     head = act.on_rank(act.head_terms(local, micro_batch, precision), tp, sp)
-    return block, wgrad, head + act.logits_bytes(local, micro_batch, tp, False)["loss"]
+    return block, wgrad, ws, head, act.logits_bytes(local, micro_batch, tp, False)
 
 
 @functools.lru_cache(maxsize=4096)
