@@ -51,9 +51,8 @@ from trainer.plan.flops import (
     tensor_parallel_comm,
 )
 from trainer.plan.kinds import plan_of
-from trainer.plan.memory import moments_without_pipeline
 from trainer.plan.model_states import bytes_per_param
-from trainer.plan.moments import schedule_moments
+from trainer.plan.moments import states_at_backwards
 from trainer.plan.shapes import local_numel, rank_layers
 from trainer.plan.split import costs_for
 
@@ -127,18 +126,13 @@ class Bounds:
         """Per pipeline rank that can hold the peak (ranks another one outdoes in every term are dropped):
         (elements, elements outside its blocks, of its smallest block, its blocks x the microbatches in flight and
         waiting for W at a few of its backwards, and at its loss backwards with the loss microbatches held)."""
-        moments = _moments(d.schedule, d.pp, d.microbatches, d.virtual_stages)
-        key = (counts, d.pp, d.virtual_stages, d.schedule, moments, d.tp, d.ep)
+        at = _read_at(d.schedule, d.pp, d.microbatches)
+        key = (counts, d.pp, d.virtual_stages, d.schedule, at, d.tp, d.ep)
         out = self._rank_entries.get(key)
-        if out is not None:
-            return out
-        last = _last_rank(d)
-        entries = []
-        for r, (n, layers, outside, smallest) in enumerate(self.ranks(d, counts)):
-            plain = [(layers * h, layers * w, warm) for h, w, _, _, warm in moments[r]] if layers else []
-            loss = [(layers * h, layers * w, head, warm) for h, w, at_loss, head, warm in moments[r] if at_loss and r == last]
-            entries.append((n, outside, smallest, _some(plain, 3), _some(loss, 4)))
-        out = self._rank_entries[key] = _undominated(entries)
+        if out is None:
+            shape = _rank_moments(counts, d.pp, d.virtual_stages, d.schedule, at, _last_rank(d), self.pm.layers)
+            out = self._rank_entries[key] = _undominated([(n, outside, smallest, *moments) for (n, _, outside, smallest),
+                                                          moments in zip(self.ranks(d, counts), shape)])
         return out
 
     def _memory(self, d: Dials, counts: tuple[int, ...]) -> float:
@@ -149,6 +143,7 @@ class Bounds:
         zero3 = not local and d.sharding == "zero3"
         block, wgrad, ws, head, logits = _activations(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.recompute, d.tp,
                                                       d.sp and d.tp > 1)
+        loss_bytes, other = logits["loss"], logits["other"]
         unit = 2 if self.bf16 else 4  # zero3's gathered parameters
         whole = zero3 and d.pp > 1  # zero3 under pp keeps its stages whole for the step
         # earlier microbatches' gradients, where they stay apart from the buckets: plain .grad (one rank), zero3's
@@ -158,16 +153,20 @@ class Bounds:
         worst = 0.0
         for n, outside, smallest, plain, loss in self._entries(d, counts):
             held = n * states
-            gathered = unit * n if whole else 0.0
             # a block's backward: the microbatches in flight and waiting for W, the block recomputed (recompute's
             # working set); zero3 block by block also gathers the root unit and the block (twice: the gathered copy
             # and the unsharded parameters)
-            units = unit * (outside + 2 * smallest) if zero3 and not whole else 0.0
-            acts = max((hb * block + wb * wgrad + ws + units + warm * early * n for hb, wb, warm in plain if hb >= 0),
-                       default=0.0)
+            fixed = ws + (unit * (outside + 2 * smallest) if zero3 and not whole else 0.0)
+            acts = 0.0
+            for hb, wb, warm in plain:
+                if hb >= 0:
+                    acts = max(acts, hb * block + wb * wgrad + fixed + warm * early * n)
             # the loss backward: also the head's activations and the logits of the held loss microbatches
-            acts = max(acts, max((hb * block + wb * wgrad + heads * head + logits["loss"] + (heads - 1) * logits["other"]
-                                  + warm * early * n for hb, wb, heads, warm in loss if hb >= 0), default=0.0))
+            for hb, wb, heads, warm in loss:
+                if hb >= 0:
+                    acts = max(acts, hb * block + wb * wgrad + heads * head + loss_bytes + (heads - 1) * other
+                               + warm * early * n)
+            gathered = unit * n if whole else 0.0
             bound = held + max(n * grads, gathered + (n * grads if kept else 0.0) + acts)
             if whole:  # after the last backward: whole parameters and gradients beside the shards they reduce into
                 bound = max(bound, held + gathered + early * n + n * grads)
@@ -221,22 +220,38 @@ HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp mic
 GPIPE_PASSES = 2**13
 
 
-@functools.lru_cache(maxsize=1024)
-def _moments(schedule: str, pp: int, microbatches: int, v: int) -> tuple[tuple[tuple, ...], ...]:
-    """Per pipeline rank, what it holds when each backward starts there (moments.py: microbatches of its blocks in
-    flight, those waiting for their W, whether it is the loss backward, the loss microbatches held, whether earlier
-    microbatches' gradients exist), read off the
-    schedule at fewer microbatches where the step has many: a schedule holds no more with fewer (tests/
-    test_plan_search.py checks every generator), and the lists stay small. zb-auto (its lists depend on costs)
-    one microbatch of one chunk, at the loss; pp = 1: one microbatch at a time (memory.moments_without_pipeline)."""
+@functools.lru_cache(maxsize=4096)
+def _rank_moments(counts: tuple[int, ...], pp: int, v: int, schedule: str, at: int, last: int,
+                  layers: int) -> tuple[tuple[tuple, tuple], ...]:
+    """Per pipeline rank, a few of the states its backwards start in, its blocks multiplied in: (blocks x
+    microbatches held, blocks x microbatches waiting for W, earlier gradients) at any backward, and (the same,
+    the loss microbatches held) at its loss backwards (moments.py's states), read off the schedule at `at`
+    microbatches (_read_at): a schedule holds no more with fewer (tests/test_plan_search.py checks every
+    generator). zb-auto (its lists depend on costs): one microbatch of one chunk, at the loss; pp = 1: one
+    microbatch at a time (memory.moments_without_pipeline)."""
     if pp == 1:
-        return tuple((x.held, x.pending_w, x.at_loss, x.head, x.warm) for x in moments_without_pipeline(microbatches)),
-    if schedule == "zb-auto":
-        return (((1.0 / v, 0.0, True, 1, False),),) * pp
-    gpipe_all = schedule == "gpipe" and pp * microbatches <= GPIPE_PASSES
-    m = microbatches if gpipe_all else min(microbatches, HELD_CAP * pp)
-    return tuple(tuple(sorted({(x.held, x.pending_w, x.at_loss, x.head, x.warm) for x in rank}))
-                 for rank in schedule_moments(schedule, pp, m, v, ()))
+        per_rank = [[(v, 0, False, 1, True, False)] + ([(v, 0, True, 1, True, False)] if at > 1 else [])]
+    elif schedule == "zb-auto":
+        per_rank = [[(1, 0, False, 1, True, False)]] * pp  # one chunk's microbatch
+    else:
+        per_rank = states_at_backwards(schedule, pp, at, v, ())
+    held = rank_layers(layers, pp, v, counts, schedule == "zb-v")
+    out = []
+    for r, rank in enumerate(per_rank):
+        blocks = len(held[r]) / v  # states count chunk-microbatches; a rank's v chunks hold its blocks
+        plain = [(blocks * h, blocks * p, w) for h, p, w, _, _, _ in rank] if held[r] else []
+        loss = [(blocks * h, blocks * p, hd, w) for h, p, w, hd, at_loss, _ in rank if at_loss and r == last]
+        out.append((_some(plain, 3), _some(loss, 4)))
+    return tuple(out)
+
+
+def _read_at(schedule: str, pp: int, microbatches: int) -> int:
+    """The microbatch count `_moments` reads the schedule at (pp = 1: whether there is more than one)."""
+    if pp == 1:
+        return min(microbatches, 2)
+    if schedule == "gpipe" and pp * microbatches <= GPIPE_PASSES:
+        return microbatches
+    return min(microbatches, HELD_CAP * pp)
 
 
 def _some(points: list[tuple], size: int) -> tuple[tuple, ...]:

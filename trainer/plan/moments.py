@@ -27,28 +27,41 @@ def rank_moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
 @functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
 def schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
                      options: tuple = ()) -> tuple[tuple[memory.Moment, ...], ...]:
+    """Per pipeline rank, the distinct memory.Moments of a step, from `states_at_backwards`."""
+    return tuple(tuple(memory.Moment(h / v, p / v, w, hd, at_loss, split=s) for h, p, w, hd, at_loss, s in rank)
+                 for rank in states_at_backwards(schedule, pp, microbatches, v, options))
+
+
+@functools.lru_cache(maxsize=512)
+def states_at_backwards(schedule: str, pp: int, microbatches: int, v: int,
+                        options: tuple = ()) -> tuple[tuple[tuple[int, int, bool, int, bool, bool], ...], ...]:
+    """Per pipeline rank, the distinct states in which a backward (B or BW) starts, in chunk-microbatches:
+    (activations held, microbatches waiting for their W, whether earlier gradients exist, loss microbatches the
+    last stage holds, whether it starts at the loss, whether it is a B whose W comes later), sorted."""
     from trainer.parallel.pipeline import Kind
     from trainer.plan.schedule import lists
 
     last = pp * v - 1
+    forward, backward, split, weight = Kind.F, Kind.BW, Kind.B, Kind.W
     out = []
     for actions in lists(schedule, pp, microbatches, v, options):
         held = pending = head = 0
         warm, seen = False, set()
         for a in actions:
-            if a.kind == Kind.F:
+            kind = a.kind
+            if kind is forward:
                 held += 1
                 head += a.stage == last
                 continue
-            if a.kind in (Kind.B, Kind.BW):
-                seen.add(memory.Moment(held / v, pending / v, warm, head, a.stage == last, split=a.kind == Kind.B))
-            if a.kind == Kind.B:
+            if kind is split or kind is backward:
+                seen.add((held, pending, warm, head, a.stage == last, kind is split))
+            if kind is split:
                 pending += 1
                 continue
-            pending -= a.kind == Kind.W
+            pending -= kind is weight
             held, warm = held - 1, True
             head -= a.stage == last
-        out.append(tuple(sorted(seen, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss, m.split))))
+        out.append(tuple(sorted(seen)))
     return tuple(out)
 
 

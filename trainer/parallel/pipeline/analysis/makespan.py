@@ -118,30 +118,30 @@ def _input(index: dict[int, int], key: int, action: Action, kind: str, stage: in
 
 def _dependency_order(prev: list[int], first: list[int], second: list[int], n: int,
                       lists: Sequence[Sequence[Action]], flat: list) -> tuple[int, ...]:
-    """Kahn's algorithm over the rank order and the data inputs; Deadlock naming each stuck rank's next action."""
-    waiting = [0] * n
-    after: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        for d in (prev[i], first[i], second[i]):
-            if d >= 0:
-                waiting[i] += 1
-                after[d].append(i)
-    ready = [i for i in range(n) if waiting[i] == 0]
-    order = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for j in after[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                ready.append(j)
-    if len(order) < n:
-        done = set(order)
-        stuck = []
-        for r, rank in enumerate(lists):
-            base = next((i for i, (q, _) in enumerate(flat) if q == r), None)
-            left = [base + k for k in range(len(rank)) if base + k not in done] if base is not None else []
-            if left:
-                stuck.append(f"rank {r} at {flat[left[0]][1]}")
-        raise Deadlock(f"no rank can move (async p2p): {', '.join(stuck)}")
+    """Each rank's actions in list order, the ranks taken round after round as far as their inputs allow (the
+    simulator's own order); Deadlock naming each stuck rank's next action when a round moves none."""
+    ranks, base = [], 0
+    for rank in lists:
+        ranks.append(range(base, base + len(rank)))
+        base += len(rank)
+    done = bytearray(n)
+    pos = [0] * len(ranks)
+    order: list[int] = []
+    while len(order) < n:
+        moved = False
+        for r, rank in enumerate(ranks):
+            i, end = pos[r], len(rank)
+            while i < end:
+                j = rank[i]
+                f, s = first[j], second[j]
+                if (f >= 0 and not done[f]) or (s >= 0 and not done[s]):
+                    break
+                done[j] = 1
+                order.append(j)
+                i += 1
+            moved |= i > pos[r]
+            pos[r] = i
+        if not moved:
+            stuck = [f"rank {r} at {flat[rank[pos[r]]][1]}" for r, rank in enumerate(ranks) if pos[r] < len(rank)]
+            raise Deadlock(f"no rank can move (async p2p): {', '.join(stuck)}")
     return tuple(order)
