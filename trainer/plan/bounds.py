@@ -80,9 +80,22 @@ class Bounds:
         self._splits: dict[tuple, tuple[tuple[int, ...], ...]] = {}
         self._comm: dict[tuple, float] = {}
         self._rank_entries: dict[tuple, list[tuple]] = {}
+        self._states: dict[tuple, float] = {}
 
     def memory(self, d: Dials) -> float:
         return min(self._memory(d, counts) for counts in self.splits(d))
+
+    def states(self, d: Dials) -> float:
+        """A bound of every layout with d's degrees and sharding, whatever its schedule, split and batch: the
+        optimizer step of a rank holding the mean share of the parameters (some rank holds at least that)."""
+        key = (d.tp, d.ep, d.pp, d.cp, d.dp_shard, d.sharding, d.dp * d.cp == 1)
+        out = self._states.get(key)
+        if out is None:
+            params, grads, adam = bytes_per_param("none" if d.dp * d.cp == 1 else d.sharding, d.dp_shard * d.cp)
+            total = sum(_block_numels(self.pm, d.tp, d.ep)) + sum(local_numel(q, d.tp, d.ep) for q in self.pm.parts[0]
+                                                                    + self.pm.parts[2])
+            out = self._states[key] = total / d.pp * (params + (adam if self.adamw else 0.0) + grads) * SLACK
+        return out
 
     def time(self, d: Dials) -> float:
         return min(self._time(d, counts) for counts in self.splits(d))
@@ -216,8 +229,7 @@ class Bounds:
                      tuple(layout.rank_of(s) for s in range(layout.num_stages)), (), d.cp, d.cp_kind, d.ep)
 
 
-HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches (gpipe: all, when small)
-GPIPE_PASSES = 2**13
+HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,12 +258,8 @@ def _rank_moments(counts: tuple[int, ...], pp: int, v: int, schedule: str, at: i
 
 
 def _read_at(schedule: str, pp: int, microbatches: int) -> int:
-    """The microbatch count `_moments` reads the schedule at (pp = 1: whether there is more than one)."""
-    if pp == 1:
-        return min(microbatches, 2)
-    if schedule == "gpipe" and pp * microbatches <= GPIPE_PASSES:
-        return microbatches
-    return min(microbatches, HELD_CAP * pp)
+    """The microbatch count `_rank_moments` reads the schedule at (pp = 1: whether there is more than one)."""
+    return min(microbatches, 2) if pp == 1 else min(microbatches, HELD_CAP * pp)
 
 
 def _some(points: list[tuple], size: int) -> tuple[tuple, ...]:
@@ -341,5 +349,10 @@ def _splits(cfg, layers: int, pp: int, v: int, schedule: str, recompute: str,
     if stage_layers is None or pp == 1:
         return (uniform(layers, pp * v),)
     spec = SCHEDULES.get(schedule)
-    late, early = nearest_splits(layers, StageLayout(pp, v, spec.style), costs_for(cfg, recompute, spec.split_backward))
+    return _nearest(cfg, layers, pp, v, spec.style, spec.split_backward, recompute)
+
+
+@functools.lru_cache(maxsize=4096)  # schedules of one placement and backward share their candidates
+def _nearest(cfg, layers: int, pp: int, v: int, style: str, split_backward: bool, recompute: str) -> tuple[tuple[int, ...], ...]:
+    late, early = nearest_splits(layers, StageLayout(pp, v, style), costs_for(cfg, recompute, split_backward))
     return (late,) if late == early else (late, early)

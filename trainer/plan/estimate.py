@@ -170,8 +170,9 @@ def expert_parallel(run: Resolved) -> int:
     return getattr(run.manifest.parallel, "ep", 1)
 
 
-def cut_of(run: Resolved, device: Device) -> Cut:
-    """How the run's model is cut over its pipeline ranks: the split, each rank's blocks, the moments."""
+def cut_of(run: Resolved, device: Device, *, moments: bool = True) -> Cut:
+    """How the run's model is cut over its pipeline ranks: the split, each rank's blocks, the moments (not read
+    off the schedule with moments=False: a cut for the step time, whose Setups the memory model cannot take)."""
     from trainer.plan.split import stage_counts
 
     p = run.manifest.parallel
@@ -180,7 +181,8 @@ def cut_of(run: Resolved, device: Device) -> Cut:
     counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (pipeline/analysis/balance.py)
     layers = rank_layers(pm.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
-    return Cut(is_bf16(run, device), counts, layers, last_rank, rank_moments(run), pm, expert_parallel(run))
+    held = rank_moments(run) if moments else [()] * p.pp
+    return Cut(is_bf16(run, device), counts, layers, last_rank, held, pm, expert_parallel(run))
 
 
 def setup_of(run: Resolved, device: Device, cut: Cut, r: int) -> memory.Setup:
@@ -204,7 +206,7 @@ def setup_of(run: Resolved, device: Device, cut: Cut, r: int) -> memory.Setup:
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
         grad_bytes=2 if (cut.bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=validation_held(run)[r], ep=cut.ep)
+        post_validated=p.post_validated, validation_held=validation_held(run)[r] if cut.moments[r] else 0.0, ep=cut.ep)
 
 
 def row_of(run: Resolved, cut: Cut, r: int, s: memory.Setup) -> RankRow:

@@ -3,8 +3,8 @@
     ev = Evaluator(base, gpus, device, calibration)
     run = ev.run(d)                      # the base manifest's sections copied with the dials set (model_copy)
     ev.refuses(run)                      # the manifest's rules that read a dial, called on it directly
-    timing, cut, setups = ev.timing(run) # flops.predict, each distinct pipeline's time computed once
-    rows = ev.rows(run, cut, setups)     # memory per rank (memory.peak), stopping at the first that does not fit
+    timing = ev.timing(run)              # flops.predict, each distinct pipeline's time computed once
+    rows = ev.rows(run, *ev.cut(run), capacity)   # memory per rank (memory.peak), stopping at the first that does not fit
 
 The functions are estimate.py's own (cut_of, setup_of, row_of, timing_of), so a layout evaluated here has
 exactly the plan `mantra plan --set ...` prints for it (tests/test_plan_search.py compares them on every
@@ -69,11 +69,17 @@ class Evaluator:
         except Unresolvable:
             return True
 
-    def timing(self, run: Resolved) -> tuple[Timing, Cut, tuple[memory.Setup, ...]]:
-        cut = cut_of(run, self.device)
+    def timing(self, run: Resolved) -> Timing:
+        """The step time (the schedule's lists are read for the makespan only, not for the memory moments)."""
+        cut = cut_of(run, self.device, moments=False)
         setups = tuple(setup_of(run, self.device, cut, r) for r in range(run.manifest.parallel.pp))
         return timing_of(run, self.device, cut, setups, self.calib, owned=self.owned(run, cut, setups),
-                         memo=self.pipelines), cut, setups
+                         memo=self.pipelines)
+
+    def cut(self, run: Resolved) -> tuple[Cut, tuple[memory.Setup, ...]]:
+        """The run's cut and its ranks' Setups, as the memory model takes them."""
+        cut = cut_of(run, self.device)
+        return cut, tuple(setup_of(run, self.device, cut, r) for r in range(run.manifest.parallel.pp))
 
     def owned(self, run: Resolved, cut: Cut, setups: tuple[memory.Setup, ...]) -> float:
         """The parameters whose optimizer step the busiest rank does (model_states.states' `owned`), once per

@@ -118,6 +118,9 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
         if d.stage_layers == "balanced" and bounds.uniform_choice(d):  # the uniform layout, a candidate already
             repeats += 1
             continue
+        if bounds.states(d) > capacity:  # its degrees and sharding cannot fit, whatever else
+            pruned_memory += 1
+            continue
         lm = bounds.memory(d)
         if lm > capacity:
             pruned_memory += 1
@@ -157,13 +160,13 @@ def _walk(queue: list, ev: Evaluator, capacity: float, top: int, tally: dict,
         if d.stage_layers == "balanced" and _uniform(run):  # the uniform layout, already a candidate
             tally["repeats"] += 1
             continue
-        timing, cut, setups = ev.timing(run)
+        timing = ev.timing(run)
         _check_bound("step time", timing.step_s, lt, d)
         if timing.step_s > nth and stairs.beats(timing.step_s, lm):
             tally["pruned_time"] += 1
             continue
         tally["evaluated"] += 1
-        rows = ev.rows(run, cut, setups, capacity)
+        rows = ev.rows(run, *ev.cut(run), capacity)
         if rows is None:
             continue
         peak = max(r.peak for r in rows)

@@ -44,15 +44,15 @@ def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: M
                    recompute: str = "none") -> Callable[[Sequence[int]], float]:
     """A judge for `balance`: the makespan of one step of `schedule` (the simulator, no communication)
     with each stage's F, B and W from the plan's FLOP model (trainer/plan/flops.py)."""
-    from trainer.parallel.pipeline.analysis.makespan import compile_lists
     from trainer.parallel.pipeline.analysis.simulate import Costs
-    from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
+    from trainer.parallel.pipeline.schedules import SCHEDULES
     from trainer.plan.flops import block_pass_flops, head_pass_flops
     from trainer.plan.kinds import plan_of
+    from trainer.plan.schedule import compiled
 
     pm = plan_of(cfg)
     blk, head = block_pass_flops(pm, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(pm)
-    step = compile_lists(compute_order(schedule, layout.pp, microbatches, layout.virtual_stages), layout)
+    step = compiled(schedule, layout.pp, microbatches, layout.virtual_stages)  # the same lists, once per shape
 
     def makespan(counts: Sequence[int]) -> float:  # the simulator's makespan (analysis/makespan.py: equal to it)
         last = len(counts) - 1

@@ -71,59 +71,57 @@ class CompiledStep:
 
 
 def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> CompiledStep:
-    """Compile per-rank compute-only lists (F, B, W, BW) on `layout`; Deadlock if no order can run them."""
-    flat = [(r, a) for r, rank in enumerate(lists) for a in rank]
-    if any(not a.kind.is_compute for _, a in flat):
-        raise ValueError("compile_lists takes compute-only lists (schedule.compute_only())")
-    stages = layout.num_stages
-    mbs = 1 + max((a.microbatch for _, a in flat), default=0)
+    """Compile per-rank compute-only lists (F, B, W, BW) on `layout`; Deadlock if no order can run them.
+    The inputs are looked up with numpy, a table of who produces each (kind, stage, microbatch)."""
+    import numpy as np
+
     code = {kind: i for i, kind in enumerate(_KINDS)}  # F 0, B 1, W 2, BW 3
-    kinds = [code[a.kind] for _, a in flat]
-    index: dict[int, int] = {}  # (kind, stage, microbatch) as one number -> the action that produces it
-    for i, (_, a) in enumerate(flat):
-        k = kinds[i]
-        for produced in ((1, 2) if k == 3 else (k,)):
-            index[(produced * stages + a.stage) * mbs + a.microbatch] = i
-    rank_of = [layout.rank_of(s) for s in range(stages)]
-    n = len(flat)
-    prev, first, fcomm = [NONE] * n, [NONE] * n, [NONE] * n
-    second, scomm = [-2] * n, [NONE] * n
-    ranks: list[list[int]] = [[] for _ in lists]
-    for i, (r, a) in enumerate(flat):
-        prev[i] = ranks[r][-1] if ranks[r] else NONE
-        ranks[r].append(i)
-        s, mb, k = a.stage, a.microbatch, kinds[i]
-        if k == 0 and s > 0:  # F: the upstream forward
-            first[i] = _input(index, (s - 1) * mbs + mb, a, "F", s - 1)
-            fcomm[i] = s - 1 if rank_of[s - 1] != rank_of[s] else NONE
-        elif k == 2:  # W: its own B
-            first[i] = _input(index, (stages + s) * mbs + mb, a, "B", s)
-        elif k in (1, 3):  # B, BW: its own forward, and the gradient from downstream
-            first[i] = _input(index, s * mbs + mb, a, "F", s)
-            if s < stages - 1:
-                second[i] = _input(index, (stages + s + 1) * mbs + mb, a, "B", s + 1)
-                scomm[i] = s if rank_of[s + 1] != rank_of[s] else NONE
-            else:
-                second[i] = NONE
-    order = _dependency_order(prev, first, second, n, lists, flat)
-    return CompiledStep(layout, tuple(map(tuple, ranks)), order, tuple(prev), tuple(first), tuple(fcomm),
-                        tuple(second), tuple(scomm), tuple(k * stages + a.stage for k, (_, a) in zip(kinds, flat)))
+    try:
+        kind = np.array([code[a.kind] for rank in lists for a in rank], dtype=np.int64)
+    except KeyError:
+        raise ValueError("compile_lists takes compute-only lists (schedule.compute_only())") from None
+    stage = np.array([a.stage for rank in lists for a in rank], dtype=np.int64)
+    mb = np.array([a.microbatch for rank in lists for a in rank], dtype=np.int64)
+    sizes = [len(rank) for rank in lists]
+    n, stages, mbs = len(kind), layout.num_stages, int(mb.max()) + 1 if len(mb) else 1
+    index = np.arange(n, dtype=np.int64)
+    made = np.full(2 * stages * mbs, -1, dtype=np.int64)  # (F | B, stage, microbatch) -> the action that makes it
+    makes = kind != 2  # F makes a forward, B and BW the input gradient upstream (and a W) waits for
+    made[((np.minimum(kind, 1) * stages + stage) * mbs + mb)[makes]] = index[makes]
+    rank_of = np.array([layout.rank_of(s) for s in range(stages)], dtype=np.int64)
+    # first input: F(s) needs F(s-1) (none on stage 0), W(s) needs B(s), B/BW(s) need F(s)
+    first_kind = np.where(kind == 2, 1, 0)
+    first_stage = np.where(kind == 0, stage - 1, stage)
+    first = np.where(first_stage >= 0, made[(first_kind * stages + np.maximum(first_stage, 0)) * mbs + mb], NONE)
+    crossing = (kind == 0) & (stage > 0)
+    fcomm = np.where(crossing & (rank_of[np.maximum(stage - 1, 0)] != rank_of[stage]), stage - 1, NONE)
+    # second input, B/BW(s) only: the gradient of B(s+1) (none on the last stage)
+    backward = (kind == 1) | (kind == 3)
+    down = backward & (stage < stages - 1)
+    second = np.where(down, made[(stages + np.minimum(stage + 1, stages - 1)) * mbs + mb], np.where(backward, NONE, -2))
+    scomm = np.where(down & (rank_of[np.minimum(stage + 1, stages - 1)] != rank_of[stage]), stage, NONE)
+    starts = np.cumsum([0, *sizes])
+    prev = index - 1
+    prev[starts[:-1][np.array(sizes) > 0]] = NONE
+    missing = ((first == -1) & (first_stage >= 0)) | (down & (second == -1))
+    if missing.any():
+        i = int(np.argmax(missing))
+        flat = [a for rank in lists for a in rank]
+        need = (f"{stage[i] - 1}F" if kind[i] == 0 else f"{stage[i]}B" if kind[i] == 2 else
+                f"{stage[i]}F" if first[i] == -1 else f"{stage[i] + 1}B")
+        raise Deadlock(f"{flat[i]} waits for {need}{mb[i]}, which no rank runs")
+    ranks = tuple(tuple(range(starts[r], starts[r + 1])) for r in range(len(lists)))
+    prev_l, first_l, second_l = prev.tolist(), first.tolist(), second.tolist()
+    order = _dependency_order(first_l, second_l, ranks, lists)
+    return CompiledStep(layout, ranks, order, tuple(prev_l), tuple(first_l), tuple(fcomm.tolist()), tuple(second_l),
+                        tuple(scomm.tolist()), tuple((kind * stages + stage).tolist()))
 
 
-def _input(index: dict[int, int], key: int, action: Action, kind: str, stage: int) -> int:
-    if key not in index:
-        raise Deadlock(f"{action} waits for {stage}{kind}{action.microbatch}, which no rank runs")
-    return index[key]
-
-
-def _dependency_order(prev: list[int], first: list[int], second: list[int], n: int,
-                      lists: Sequence[Sequence[Action]], flat: list) -> tuple[int, ...]:
+def _dependency_order(first: list[int], second: list[int], ranks: tuple[tuple[int, ...], ...],
+                      lists: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     """Each rank's actions in list order, the ranks taken round after round as far as their inputs allow (the
     simulator's own order); Deadlock naming each stuck rank's next action when a round moves none."""
-    ranks, base = [], 0
-    for rank in lists:
-        ranks.append(range(base, base + len(rank)))
-        base += len(rank)
+    n = sum(len(rank) for rank in ranks)
     done = bytearray(n)
     pos = [0] * len(ranks)
     order: list[int] = []
@@ -142,6 +140,6 @@ def _dependency_order(prev: list[int], first: list[int], second: list[int], n: i
             moved |= i > pos[r]
             pos[r] = i
         if not moved:
-            stuck = [f"rank {r} at {flat[rank[pos[r]]][1]}" for r, rank in enumerate(ranks) if pos[r] < len(rank)]
+            stuck = [f"rank {r} at {lists[r][pos[r]]}" for r, rank in enumerate(ranks) if pos[r] < len(rank)]
             raise Deadlock(f"no rank can move (async p2p): {', '.join(stuck)}")
     return tuple(order)
