@@ -11,7 +11,8 @@ import re
 import pytest
 
 from conftest import mantra
-from launchers.plan import SearchProgress, duration
+from launchers.plan import duration
+from launchers.plan_search import SearchProgress
 from trainer.plan.devices import choose_device
 
 

@@ -80,6 +80,11 @@ def block_forward_flops(m: PlanModel, tokens: float) -> float:
     return tokens * (2 * sum(m.active_block_params) + 4 * m.layers * m.dim * m.seq_len)
 
 
+def tp_linears(m: PlanModel) -> int:
+    """Matrices tensor parallel shards in a block (the Llama's 7: wq, wk, wv, wo, w1, w2, w3): its DTensor linears."""
+    return sum(1 for q in m.parts[1][0] if q.tp_dim is not None and q.is_matrix) if m.layers else 0
+
+
 def tp_share(m: PlanModel, tp: int) -> float:
     """The share of the blocks' compute one tensor-parallel rank runs: 1/tp of what tp splits, all of what it
     replicates (an MoE layer's router and experts: m.tp_replicated_active_params)."""
@@ -220,6 +225,13 @@ def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float]
                 for s, n in enumerate(counts)]
 
     f, b, w = per_stage("f"), per_stage("b"), per_stage("w")
+    host = device.tp_host_flops * tp_linears(m) / rate if x.tp > 1 else 0.0  # per block and pass (devices.py)
+    if host:  # a forward (again under full recompute, in B and with a split backward in W too), B and W each
+        again = 2 if x.recompute == "full" else 1
+        root = device.tp_root_host_flops / 3 / rate  # the vocab-parallel embedding, head and loss, per pass
+        f = [fi + n * host + (root if s == last else 0.0) for s, (fi, n) in enumerate(zip(f, counts))]
+        b = [bi + n * host * again + (root if s == last else 0.0) for s, (bi, n) in enumerate(zip(b, counts))]
+        w = [wi + n * host * (again if split else 1) + (root if s == last else 0.0) for s, (wi, n) in enumerate(zip(w, counts))]
     if x.recompute == "selective":  # element-wise ops rebuilt: memory-bound, written once and read once
         b = [bi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for bi, n in zip(b, counts)]
         if split:

@@ -129,7 +129,9 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
     queue.sort()
     tally = {"candidates": len(queue) + pruned_memory, "pruned_memory": pruned_memory, "pruned_time": 0,
              "refused": 0, "repeats": repeats, "evaluated": 0, "fit": 0}
-    fits = _walk(queue, ev, capacity, top, tally, progress)
+    if progress:
+        progress(0, tally["candidates"])
+    fits = _walk(queue, ev, capacity, top, tally, _shifted(progress, pruned_memory, tally["candidates"]))
     tally |= {"refused_by_rules": dict(space.rejected), "seconds": time.perf_counter() - started}
     best = _confirmed(path, overrides, base, gpus, device, ev, sorted(fits)[:top], gpu_mem, calib, fits)
     front = _pareto(sorted(fits))
@@ -180,6 +182,13 @@ def _walk(queue: list, ev: Evaluator, capacity: float, top: int, tally: dict,
     if progress:
         progress(total, total)
     return fits
+
+
+def _shifted(progress: Callable[[int, int], None] | None, done: int, total: int) -> Callable[[int, int], None] | None:
+    """The walk's progress over the whole search: the candidates the memory bound pruned are done already."""
+    if progress is None:
+        return None
+    return lambda i, _: progress(done + i, total)
 
 
 def _uniform(run: Resolved) -> bool:
