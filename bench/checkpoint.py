@@ -1,6 +1,7 @@
 """Checkpoint save and load: time, bytes, and the training time lost per save, synchronous vs asynchronous.
 
     python bench/checkpoint.py            # tiny (3.3M) and ~100M Llama, one process, AdamW state included
+    python bench/checkpoint.py --quick    # tiny alone, a 16 MiB checksum buffer: seconds (tests/test_bench_smoke.py)
 
 "Lost" is what the training loop waits for: the whole save when synchronous,
 only the staging copy when asynchronous (the write then overlaps training;
@@ -60,9 +61,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def checksum_rates(tmp: Path) -> dict:
+def checksum_rates(tmp: Path, mib: int = 256) -> dict:
     """GB/s of hashing, from memory and streamed from a file in the page cache."""
-    data = os.urandom(256 << 20)
+    data = os.urandom(mib << 20)
     file = tmp / "hash-me.bin"
     file.write_bytes(data)
     row = {"bench": "checksum", "bytes": len(data), "algorithm": ALGORITHM,
@@ -110,10 +111,15 @@ def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float) -> lis
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny model alone, a 16 MiB checksum buffer")
+    quick = parser.parse_args().quick
     with tempfile.TemporaryDirectory() as tmp:
-        rates = checksum_rates(Path(tmp))
+        rates = checksum_rates(Path(tmp), 16 if quick else 256)
         print(json.dumps(rates), flush=True)
-        for name, overrides in SHAPES.items():
+        for name, overrides in list(SHAPES.items())[:1 if quick else None]:
             for row in bench(name, overrides, Path(tmp), rates["file_stream_GBps"]):
                 print(json.dumps(row), flush=True)
 

@@ -111,6 +111,11 @@ def interleaved(runners: dict, repeats: int) -> dict:
     return fastest
 
 
+def per_cpu(amount: float, cpu_s: float, digits: int = 2) -> float | None:
+    """`amount` per CPU second; None when the clock saw no CPU time (a corpus too small to measure)."""
+    return round(amount / cpu_s, digits) if cpu_s > 0 else None
+
+
 def bench_loader() -> list[dict] | None:
     """The loader's samples/s as bench/loader.py last recorded them (bench/results/loader-*.jsonl), or None."""
     found = sorted((ROOT / "bench" / "results").glob("loader-*.jsonl"))
@@ -147,22 +152,22 @@ def main() -> int:
         result = {"bench": "data", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
                   f"{os.cpu_count()} cores (shared)", "corpus_mb": round(size / 1e6, 2), "documents": docs,
                   "baseline": {"what": "tokenizers encode_batch(1024) + json.loads, all cores",
-                               "mb_per_s": round(size / 1e6 / base_s, 2), "cpu_mb_per_s": round(size / 1e6 / base_cpu, 2),
+                               "mb_per_s": round(size / 1e6 / base_s, 2), "cpu_mb_per_s": per_cpu(size / 1e6, base_cpu),
                                "tokens": base_tokens},
                   "tokenize": {}, "dedup": {}}
         print(f"corpus: {size / 1e6:.1f} MB, {docs:,} documents; baseline encode_batch {size / 1e6 / base_s:.1f} MB/s "
               f"({base_tokens:,} tokens)")
         for key, (seconds, tokens, cpu) in fastest.items():
-            entry = {"mb_per_s": round(size / 1e6 / seconds, 2), "cpu_mb_per_s": round(size / 1e6 / cpu, 2),
+            entry = {"mb_per_s": round(size / 1e6 / seconds, 2), "cpu_mb_per_s": per_cpu(size / 1e6, cpu),
                      "tokens": tokens}
             if not key.startswith("byte"):
                 entry["ratio_to_baseline"] = round(base_s / seconds, 3)
-                entry["cpu_ratio_to_baseline"] = round(base_cpu / cpu, 3)
+                entry["cpu_ratio_to_baseline"] = per_cpu(base_cpu, cpu, 3)
                 assert tokens == base_tokens + docs - 1, "mantra and the baseline disagree on the tokens"
             result["tokenize"][key] = entry
             print(f"tokenize {key}: {entry['mb_per_s']:7.1f} MB/s"
                   + (f"  ({entry['ratio_to_baseline']:.2f}x baseline; per CPU second "
-                     f"{entry['cpu_ratio_to_baseline']:.2f}x)" if "ratio_to_baseline" in entry else ""))
+                     f"{entry['cpu_ratio_to_baseline'] or 0:.2f}x)" if "ratio_to_baseline" in entry else ""))
         subset = tmp / "subset.jsonl"
         with open(corpus, "rb") as src, open(subset, "wb") as dst:
             for _, line in zip(range(args.dedup_docs), src):
@@ -176,7 +181,7 @@ def main() -> int:
                 seconds, s, cpu = best(run, args.repeats)
                 key = f"{'exact' if exact else 'minhash'} workers={workers}"
                 result["dedup"][key] = {"docs_per_s": round(s.documents / seconds),
-                                        "docs_per_cpu_s": round(s.documents / cpu), "documents": s.documents,
+                                        "docs_per_cpu_s": per_cpu(s.documents, cpu, 0), "documents": s.documents,
                                         "removed_exact": s.removed_exact, "removed_near": s.removed_near}
                 print(f"dedup {key}: {s.documents / seconds:,.0f} docs/s ({s.removed_exact} exact, "
                       f"{s.removed_near} near removed of {s.documents:,})")

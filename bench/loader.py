@@ -2,6 +2,7 @@
 
     python bench/loader.py              # one JSON line per case
     python bench/loader.py --steps 50
+    python bench/loader.py --quick      # 1 Mi tokens, a 2-layer 32-wide model, 2 steps: seconds (tests/test_bench_smoke.py)
 
 For each case (the tiny-cpu manifest's shape; a long-sequence shape), on a
 3-source blend of memmapped uint16 token files (trainer/data/blend.py):
@@ -63,12 +64,15 @@ def read_rate(paths, seq_len, global_batch, micro_batch, steps) -> float:
     return steps * global_batch / (time.perf_counter() - start)
 
 
-def tiny_step_time(steps: int) -> float:
+QUICK_MODEL = ["model.dim=32", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.ffn_dim=64"]
+
+
+def tiny_step_time(steps: int, overrides: list[str] = ()) -> float:
     """Seconds per training step of tiny-cpu's model and batch (forward, backward, AdamW), this process."""
     from trainer.manifest import load_manifest
     from trainer.models import get_model_spec
 
-    run, _ = load_manifest(ROOT / "manifests/tiny-cpu.yaml", data_files=False)
+    run, _ = load_manifest(ROOT / "manifests/tiny-cpu.yaml", list(overrides), data_files=False)
     m = run.manifest
     spec = get_model_spec(m.model.kind)
     model = spec.build(m.model)
@@ -106,26 +110,28 @@ def wait_per_step(paths, seq_len, global_batch, micro_batch, step_s, steps) -> f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="1 Mi tokens, a 2-layer 32-wide model, 2 steps: a smoke test")
     args = ap.parse_args()
+    steps = 2 if args.quick else steps
     with tempfile.TemporaryDirectory() as tmp:
-        paths = token_files(Path(tmp), 32 << 20, 32000)  # 64 MiB of uint16 tokens in three files
-        step_s = tiny_step_time(5)
+        paths = token_files(Path(tmp), (1 if args.quick else 32) << 20, 32000)  # 64 MiB of uint16 tokens in three files
+        step_s = tiny_step_time(2, QUICK_MODEL) if args.quick else tiny_step_time(5)
         tiny = dict(seq_len=128, global_batch=16, micro_batch=8)
-        rate = read_rate(paths, **tiny, steps=args.steps * 10)
+        rate = read_rate(paths, **tiny, steps=steps * 10)
         consume = tiny["global_batch"] / step_s
         head = {"bench": "loader", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                 "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
         print(json.dumps(head | {"case": "tiny-cpu (seq 128, global_batch 16)", "read_samples_per_s": round(rate),
                           "step_samples_per_s": round(consume, 1), "headroom": round(rate / consume, 1),
                           "wait_ms_per_step": round(1e3 * wait_per_step(paths, **tiny, step_s=step_s,
-                                                                         steps=args.steps), 3)}))
+                                                                         steps=steps), 3)}))
         long = dict(seq_len=8192, global_batch=8, micro_batch=1)
-        rate = read_rate(paths, **long, steps=args.steps * 3)
+        rate = read_rate(paths, **long, steps=steps * 3)
         need = 0.4 * 989e12 / (6 * 8e9) / 8192
         print(json.dumps(head | {"case": "one rank, seq 8192, 8 samples per step", "read_samples_per_s": round(rate),
                           "need_samples_per_s": round(need, 2), "headroom": round(rate / need),
                           "wait_ms_per_step": round(1e3 * wait_per_step(paths, **long, step_s=long["global_batch"] / need / 100,
-                                                                         steps=args.steps), 3)}))
+                                                                         steps=steps), 3)}))
 
 
 if __name__ == "__main__":

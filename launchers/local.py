@@ -66,7 +66,9 @@ def rank_threads(nproc: int, environ: Mapping[str, str] = os.environ,
 
 def run_local(run: Resolved) -> int:
     """Train; returns the exit code: 0 done, 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 saved
-    on Ctrl-C (or aborted by a second one), 124 hung (trainer/run/watchdog.py), 1 a rank failed."""
+    on Ctrl-C (or aborted by a second one), 124 hung (trainer/run/watchdog.py), 1 a rank failed (after
+    launcher.max_restarts restarts, or in a crash loop: trainer/run/restart.py), 2 bad data found by a rank.
+    The last line says how the run ended and what faults cost it (`summary_line`)."""
     if run.world_size == 1:
         from launchers.rank import run_rank
         from trainer.run.preempt import PreemptionFlag
@@ -76,6 +78,7 @@ def run_local(run: Resolved) -> int:
             run_rank(write_resolved(run), preempt)
         finally:
             preempt.uninstall()  # a stop on a signal leaves through SystemExit(75 or 130) once its checkpoint is committed
+            say_summary(run)
         return 0
     from launchers.supervise import supervise  # signals reach every rank; no rank outlives mantra
 
@@ -83,5 +86,27 @@ def run_local(run: Resolved) -> int:
     if note:
         print(f"mantra: {note}", file=sys.stderr, flush=True)
     path = run.run_dir / "manifest.yaml"  # written once SIGTERM/SIGUSR1/SIGINT are held, never before
-    return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size, env,
-                     prepare=lambda: write_resolved(run))
+    try:
+        return supervise(torchrun_command(run, path, launcher_pid=os.getpid()), run.run_dir, run.world_size, env,
+                         prepare=lambda: write_resolved(run), checkpoint_dir=run.checkpoint_dir,
+                         max_restarts=run.manifest.launcher.max_restarts)
+    finally:
+        say_summary(run)
+
+
+def summary_line(status: dict, name: str) -> str | None:
+    """`mantra: tiny-cpu completed at step 150: goodput 83.2%, restarts 1, lost_steps 4` from status.json."""
+    from trainer.run.status import faults_text
+
+    faults = faults_text(status)
+    if not isinstance(status.get("state"), str) or faults is None:
+        return None
+    return f"mantra: {name} {status['state']} at step {status.get('step')}: {faults}"
+
+
+def say_summary(run: Resolved) -> None:
+    from trainer.run.status import read_status
+
+    line = summary_line(read_status(run.run_dir), run.manifest.name)
+    if line is not None:
+        print(line, flush=True)

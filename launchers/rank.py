@@ -13,7 +13,8 @@ boundary, instead of killing the rank half-started. Nothing above `main` may imp
 `--launcher-pid` is given by `mantra run` (launchers/supervise.py), which watches over this rank:
 the rank leaves as soon as that process is gone, and a save-and-stop on a signal exits 0 with the
 reason in status.json, which mantra turns into its own exit code (torchrun calls any non-zero exit a
-failure and prints a report for it).
+failure and prints a report for it). A bad manifest, data or directory found by a rank exits 2 without a
+traceback (`quiet_usage_errors`): its record in <run dir>/faults/ says why, and the launcher prints it once.
 """
 
 from __future__ import annotations
@@ -87,6 +88,24 @@ def run_rank(manifest_path: Path, preempt: PreemptionFlag | None = None):
             preempt.uninstall()
 
 
+def quiet_usage_errors(fn):
+    """`fn` with a bad manifest, data or directory (trainer/run/failure.py: usage) turned into exit 2 without a
+    traceback: the rank's record says it (trainer/run/heartbeat.py) and the launcher prints it once for the
+    whole run (trainer/run/restart.py); the rank's own log keeps the line."""
+    from trainer.run.failure import USAGE, kind_of
+
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if kind_of(exc) != USAGE:
+                raise
+            log.debug("exit 2: %s", exc)
+            sys.exit(2)
+
+    return wrapped
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m launchers.rank", description="Train one rank of a manifest.")
     parser.add_argument("manifest", type=Path, help="the resolved manifest (runs/<name>/manifest.yaml)")
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
-        record(run_rank)(args.manifest, preempt)
+        record(quiet_usage_errors(run_rank))(args.manifest, preempt)
     except StopRequested:
         if supervised:
             sys.exit(0)  # status.json says requeue / interrupted; mantra exits 75 / 130

@@ -1,6 +1,7 @@
 """`mantra runs [DIR]`: what every run is doing, read from the run directories alone (no server).
 
-    mantra runs                 # the runs under runs/: state, step/steps, loss, tokens/s, MFU, memory, age
+    mantra runs                 # the runs under runs/: state, step/steps, loss, tokens/s, MFU, memory, goodput,
+                                # restarts (steps lost to them), age, and a note (an error, a straggler)
     mantra runs runs/tiny-cpu   # one run directory
     mantra runs runs/tiny-cpu-sweep   # the runs of a sweep (`mantra submit --sweep` writes its record)
     mantra runs --json          # one JSON object per run and line, for scripts
@@ -63,6 +64,10 @@ class RunRow:
     age_s: float | None  # since the run last wrote status.json or metrics.jsonl
     slurm_job: str | None
     note: str | None  # the error of a failed or hung run, or why the row is incomplete
+    goodput: float | None = None  # status.json (trainer/run/ledger.py): seconds in steps that count / wall seconds
+    restarts: int | None = None  # restarts after faults
+    lost_steps: int | None = None  # steps trained again after those restarts
+    straggler: str | None = None  # "rank 1 on n2, 1.62x the median": a rank named slow
 
 
 # ---------------------------------------------------------------------------- reading one directory
@@ -267,7 +272,16 @@ def read_run(run_dir: Path, jobs: dict[str, str] | None, now: float) -> RunRow:
         tokens_per_s=number(row.get("tokens_per_s")), mfu=number(row.get("mfu")),
         peak_mem_bytes=integer(row.get("peak_mem_bytes")), peak_tensor_bytes=integer(row.get("peak_tensor_bytes")),
         age_s=max(0.0, now - max(times)) if times else None, slurm_job=job, note=note,
+        goodput=number(status.get("goodput")), restarts=integer(status.get("restarts")),
+        lost_steps=integer(status.get("lost_steps")), straggler=straggler(status.get("straggler")),
     )
+
+
+def straggler(value: Any) -> str | None:
+    """status.json's straggler as one cell: "rank 1 on n2, 1.62x the median"."""
+    if not isinstance(value, dict) or integer(value.get("rank")) is None or number(value.get("ratio")) is None:
+        return None
+    return f"rank {value['rank']} on {str(value.get('host', '?'))[:100]}, {value['ratio']:.2f}x the median"
 
 
 # ---------------------------------------------------------------------------- showing them
@@ -314,13 +328,16 @@ def print_table(rows: list[RunRow]) -> None:
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for title, justify in (("run", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
-                           ("tokens/s", "right"), ("MFU", "right"), ("peak mem", "right"), ("age", "right"),
-                           ("note", "left")):
+                           ("tokens/s", "right"), ("MFU", "right"), ("peak mem", "right"), ("goodput", "right"),
+                           ("restarts", "right"), ("age", "right"), ("note", "left")):
         table.add_column(title, justify=justify, no_wrap=title != "note")
     for r in rows:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a" if r.tokens_per_s is not None else "-"
+        restarts = "-" if r.restarts is None else f"{r.restarts} ({r.lost_steps or 0} lost)" if r.restarts else "0"
+        note = r.note or (f"straggler {r.straggler}" if r.straggler else "")
         cells = [r.name, r.state, fmt_step(r.step, r.steps), fmt_float(r.loss, ".4f"), fmt_float(r.tokens_per_s, ",.0f"),
-                 mfu, fmt_bytes(r.peak_mem_bytes), fmt_age(r.age_s), (r.note or "")[:200]]
+                 mfu, fmt_bytes(r.peak_mem_bytes), "-" if r.goodput is None else f"{100 * r.goodput:.1f}%", restarts,
+                 fmt_age(r.age_s), note[:200]]
         # Text, never markup, and no control characters: names and notes come from files anyone could write
         table.add_row(*(Text(printable(c), style=STATE_STYLE.get(c, "") if i == 1 else "") for i, c in enumerate(cells)))
     if sys.stdout.isatty():

@@ -17,11 +17,14 @@
   slurmctld which one it was (`stop_cause`): the job still RUNNING is the USR1 warning (requeue
   marker); a restart count above the task's own is Slurm requeueing it (status `requeue`, no
   marker); otherwise the job is being cancelled and status.json says `cancelled`;
-- `--kill-on-bad-exit=1`: a rank that dies takes the job down at once, not at the gloo/NCCL timeout;
-- the batch script exits with srun's own exit code (taken the moment srun returns), so a task killed by
-  a signal fails the job instead of leaving it COMPLETED; a node that dies is Slurm's to requeue
-  (`--requeue`), and a job whose ranks found it hung (status.json `hung`, trainer/run/watchdog.py) the
-  script requeues itself, at most MAX_HANG_REQUEUES times (`hang_requeue`);
+- `--kill-on-bad-exit=1`: a rank that dies takes the job step down at once, not at the gloo/NCCL timeout;
+- a failed step (a rank dead or failing, a lost peer, a hang) is started again in the same allocation by
+  the batch script's loop (launchers/slurm_restart.py: launcher.max_restarts, crash loops), on a new
+  rendezvous port, once every node answers; a node that does not gets the job requeued (`--requeue`:
+  Slurm also requeues it itself when it marks the node DOWN). `--overlap`: a new step never waits for
+  the resources of a step that died with its node;
+- the batch script exits with srun's own exit code (taken the moment srun returns) unless it restarts,
+  so a task killed by a signal fails the job instead of leaving it COMPLETED;
 - on several nodes (launcher.slurm.nodes) every task finds its rank and the rendezvous from Slurm alone
   (`rendezvous_env`) and says where it runs in its log's first line (`where_am_i`);
 - `--requeue`, `--chdir` = the directory `mantra submit` ran in (relative manifest paths hold),
@@ -39,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from launchers.slurm_restart import loop_head, loop_tail
 from trainer.manifest import Resolved
 
 REQUEUE_MARKER = "requeue-{job_id}"  # in the submitit folder; written by a rank that exits to be requeued
@@ -98,11 +102,17 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
     run = runs[0]
     s = run.manifest.launcher.slurm
     marker = shlex.quote(str(folder.resolve())) + "/" + REQUEUE_MARKER.format(job_id="${SLURM_JOB_ID}")
+    container: list[str] = []
+    if s.container_image:
+        dirs = [cwd, folder, *(r.run_dir for r in runs), *(r.checkpoint_dir for r in runs)]
+        container = [f"--container-image={s.container_image}", f"--container-mounts={container_mounts(dirs)}",
+                     f"--container-workdir={cwd.resolve()}"]
     setup = [
         "# Slurm sends SIGTERM when it cancels, preempts or requeues the job: then Slurm decides what follows",
         f'trap "rm -f {marker}; exit 143" TERM',
         f"rm -f {marker}",
         *s.setup,
+        *loop_head(runs, python_for(run), container),  # `while :; do` around srun: restarts in place (launchers/slurm_restart.py)
     ]
     teardown = [
         "rc=$?",
@@ -113,14 +123,10 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
         '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
         '    echo "mantra: scontrol requeue failed; submit again to resume from the checkpoint" >&2',
         "fi",
-        *hang_requeue(runs),
+        *loop_tail(),
         'exit "$rc"',
     ]
-    srun_args = ["--kill-on-bad-exit=1"]
-    if s.container_image:
-        dirs = [cwd, folder, *(r.run_dir for r in runs), *(r.checkpoint_dir for r in runs)]
-        srun_args += [f"--container-image={s.container_image}", f"--container-mounts={container_mounts(dirs)}",
-                      f"--container-workdir={cwd.resolve()}"]
+    srun_args = ["--kill-on-bad-exit=1", "--overlap", *container]  # --overlap: a restart's step never waits for a lost one's
     params: dict = {
         "job_name": run.manifest.name,
         "nodes": s.nodes,
@@ -151,25 +157,6 @@ def sbatch_parameters(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool)
     return params
 
 
-MAX_HANG_REQUEUES = 2  # a hang that comes back on every allocation is the run's own, not a node's
-
-
-def hang_requeue(runs: list[Resolved]) -> list[str]:
-    """Batch-script lines: when a rank's watchdog found the job hung (status.json `hung`, its stacks in the
-    logs: trainer/run/watchdog.py) the job is requeued like one that lost a node, and resumes from its last
-    committed checkpoint; at most MAX_HANG_REQUEUES times (SLURM_RESTART_COUNT), then it stays FAILED."""
-    dirs = " ".join(shlex.quote(str(r.run_dir.resolve())) for r in runs)
-    return [
-        f"# a rank stopped making progress (train.hang_timeout_s): requeue, at most {MAX_HANG_REQUEUES} times",
-        f"run_dirs=({dirs})",
-        'status="${run_dirs[${SLURM_ARRAY_TASK_ID:-0}]}/status.json"',
-        f'if [ "$rc" != 0 ] && grep -qs \'"state": "hung"\' "$status" && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {MAX_HANG_REQUEUES} ]; then',
-        '    echo "mantra: the job hung ($(cat "$status")); requeueing job $SLURM_JOB_ID to resume from its last checkpoint" >&2',
-        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
-        "fi",
-    ]
-
-
 def task_command(python: str, folder: Path) -> str:
     """What srun starts on every task (the same string submitit builds)."""
     return f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
@@ -187,11 +174,12 @@ def sbatch_script(runs: list[Resolved], folder: Path, cwd: Path, gpus: bool) -> 
 
 # ---------------------------------------------------------------------------- what every task runs
 
-def master_port(job_id: int, restarts: int) -> int:
-    """A port every task computes alike without talking: from the job id, and the restart count so a
-    requeued job never meets its predecessor's socket. 10000-32767 stays below Linux's ephemeral range;
-    two jobs collide only if they share a first node and their ids differ by a multiple of 1423."""
-    return 10000 + (job_id * 16 + restarts % 16) % 22768
+def master_port(job_id: int, restarts: int, step: int = 0) -> int:
+    """A port every task computes alike without talking: from the job id, the restart count and the job
+    step (each srun of the batch script is a new step) so that neither a requeued job nor a restart in
+    place meets its predecessor's socket. 10000-32767 stays below Linux's ephemeral range; two jobs
+    collide only if they share a first node and their ids differ by a multiple of 1423."""
+    return 10000 + (job_id * 16 + (7 * restarts + step) % 16) % 22768
 
 
 def rendezvous_env() -> dict[str, str]:
@@ -202,9 +190,10 @@ def rendezvous_env() -> dict[str, str]:
     env = JobEnvironment()
     job_id = int(os.environ["SLURM_JOB_ID"])  # unique per array element, unlike the array's id
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    step = os.environ.get("SLURM_STEP_ID", "0")
     return {
         "MASTER_ADDR": env.hostnames[0],
-        "MASTER_PORT": str(master_port(job_id, restarts)),
+        "MASTER_PORT": str(master_port(job_id, restarts, int(step) if step.isdigit() else 0)),
         "RANK": str(env.global_rank),
         "WORLD_SIZE": str(env.num_tasks),
         "LOCAL_RANK": str(env.local_rank),
@@ -340,7 +329,7 @@ def run_task(manifest_path: str) -> dict:
     print(where_am_i(), file=sys.stderr, flush=True)
     import logging
 
-    from launchers.rank import run_rank
+    from launchers.rank import quiet_usage_errors, run_rank
     from trainer.run.preempt import REQUEUE_EXIT_CODE
 
     logging.getLogger("submitit").propagate = False  # it has its own handler; once per line is enough
@@ -350,7 +339,7 @@ def run_task(manifest_path: str) -> dict:
         lock = RunLock(Path(manifest_path).parent)  # noqa: F841 - held until this task's process ends
     with held_signals():
         try:
-            result = run_rank(Path(manifest_path))
+            result = quiet_usage_errors(run_rank)(Path(manifest_path))  # exit 2: the batch script says why
         except SystemExit as exc:
             if exc.code == REQUEUE_EXIT_CODE:
                 after_requeue_exit(Path(manifest_path), int(os.environ["RANK"]))

@@ -167,6 +167,8 @@ def wait_for(subs: list[Submitted], poll_s: float = 2.0) -> int:
 
 
 def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
+    from trainer.run.status import faults_text, read_status
+
     status = 0
     for sub in subs:
         st = states[sub.job_id]
@@ -178,6 +180,8 @@ def report(subs: list[Submitted], states: dict[str, JobState]) -> int:
             loss = next((v.get("final_loss") for v in values if isinstance(v, dict) and v.get("final_loss") is not None), None)
             steps = next((v.get("steps") for v in values if isinstance(v, dict) and v.get("steps") is not None), None)
             tail = f", {steps} steps, final loss {loss:.4f}" if loss is not None and steps is not None else ""
+            faults = faults_text(read_status(sub.run.run_dir))  # goodput, restarts, lost steps (trainer/run/ledger.py)
+            tail += f"; {faults}" if faults else ""
             again = f" after {st.restarts} restart{'s' * (st.restarts > 1)} (SLURM_RESTART_COUNT={st.restarts})" if st.restarts else ""
             print(f"job {sub.job_id} ({name}) completed{again}: {len(values)} ranks{tail}; run dir {sub.run.run_dir}")
             continue

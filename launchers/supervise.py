@@ -25,7 +25,13 @@ So every process of the run is gone about a second after mantra.
 
 Hangs. When status.json turns `hung` (trainer/run/watchdog.py: the live ranks dump their stacks and
 leave), mantra gives them a moment, then kills what is left (a SIGSTOPped rank obeys only SIGKILL,
-and torchrun would wait 30 s before sending it) and exits 124.
+and torchrun would wait 30 s before sending it); the attempt ends with 124.
+
+Restarts. When an attempt fails (a rank dead or exiting non-zero, a lost peer, a hang), mantra asks
+trainer/run/restart.py whether to start torchrun again, which resumes from the last committed
+checkpoint on a fresh rendezvous port (--standalone picks one): at most launcher.max_restarts times in
+a row without a new checkpoint, never for a bad manifest or data (exit 2), `on_nonfinite: stop`, a
+crash loop (the same failure at the same step twice) or a signal from the user. One line per restart.
 
 Slurm does not come through here: it signals every task itself, and run_task calls the rank directly.
 """
@@ -42,16 +48,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.run.preempt import INTERRUPT_EXIT_CODE, Interrupted, PreemptionFlag, RequeueRequested
+from trainer.run import failure, restart
+from trainer.run.preempt import INTERRUPT_EXIT_CODE, PreemptionFlag, RequeueRequested
 from trainer.run.status import RunStatus, read_status
-from trainer.run.watchdog import HUNG_EXIT_CODE
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-EXIT_CODES = {  # how the ranks say they stopped (status.json) -> mantra's exit code
-    RequeueRequested.state: RequeueRequested.exit_code,  # 75
-    Interrupted.state: Interrupted.exit_code,  # 130
-    "hung": HUNG_EXIT_CODE,  # 124
-}
 HUNG_GRACE_S = 3.0  # after `hung`: the live ranks dump their stacks and leave on their own in ~2 s
 LIFELINE_PERIOD_S = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -116,10 +117,14 @@ def _die_with_parent():
 
 class Supervisor:
     """Runs torchrun (`cmd`) with `nproc` ranks for the run in `run_dir` and returns mantra's exit code;
-    `env`: torchrun's environment (None: this process's)."""
+    `env`: torchrun's environment (None: this process's); a failed attempt starts again at most
+    `max_restarts` times in a row without a new checkpoint in `checkpoint_dir` (see the module docstring)."""
 
-    def __init__(self, cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None):
+    def __init__(self, cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None,
+                 checkpoint_dir: Path | None = None, max_restarts: int = 0):
         self.cmd, self.run_dir, self.nproc, self.env = cmd, run_dir, nproc, env
+        self.checkpoint_dir, self.max_restarts = checkpoint_dir or run_dir / "ckpt", max_restarts
+        self.signalled: list[int] = []  # every signal received, for the decision after an attempt
         self.received: list[int] = []  # filled by the signal handler, read by the loop
         self.pending: list[tuple[int, set[int]]] = []  # (signal, ranks it was sent to)
         self.interrupts = 0
@@ -133,28 +138,41 @@ class Supervisor:
         try:
             if prepare is not None:
                 prepare()
-            self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
-                                         preexec_fn=_die_with_parent())
+            restart.forget_last_failure(self.run_dir)  # a new start: an old failure is not half of a crash loop
             while True:
-                try:
-                    code = self.proc.wait(timeout=0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if self._tick():
+                code = self._attempt()
+                if code is None:
                     return INTERRUPT_EXIT_CODE
+                verdict = restart.judge(self.run_dir, self.checkpoint_dir, code, self.max_restarts, self.started)
+                if verdict.message:
+                    print(verdict.message, file=sys.stderr, flush=True)
+                if not verdict.restart:
+                    return verdict.exit_code
+                if self.signalled:  # the user asked to stop while the attempt failed: no restart
+                    self._say("a stop was asked for: not restarted; start again to resume from the last checkpoint")
+                    return INTERRUPT_EXIT_CODE if signal.SIGINT in self.signalled else RequeueRequested.exit_code
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        state = self._status().get("state")
-        if state in EXIT_CODES:
-            return EXIT_CODES[state]  # torchrun reports any non-zero rank as 1, a clean stop as 0
-        return code
+
+    def _attempt(self) -> int | None:
+        """One run of torchrun: its exit code, or None when a second Ctrl-C aborted it."""
+        failure.clear(self.run_dir)
+        self.started, self.hung_since = time.time(), None
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent())
+        while True:
+            try:
+                return self.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            if self._tick():
+                return None
 
     def _tick(self) -> bool:
         """One look at signals, ranks and status; True when the job was aborted."""
         while self.received:
             signum = self.received.pop(0)
+            self.signalled.append(signum)
             if signum == signal.SIGINT:
                 self.interrupts += 1
                 if self.interrupts > 1:
@@ -221,10 +239,12 @@ class Supervisor:
 
 
 def supervise(cmd: list[str], run_dir: Path, nproc: int, env: dict[str, str] | None = None,
-              prepare: Callable[[], object] | None = None) -> int:
+              prepare: Callable[[], object] | None = None, checkpoint_dir: Path | None = None,
+              max_restarts: int = 0) -> int:
     """Run torchrun with `nproc` ranks under mantra's charge (see the module docstring), in `env` (None:
-    this process's environment), after `prepare()` has run with the signals held; returns mantra's exit code."""
-    return Supervisor(cmd, run_dir, nproc, env).run(prepare)
+    this process's environment), after `prepare()` has run with the signals held, restarting a failed
+    attempt up to `max_restarts` times in a row; returns mantra's exit code."""
+    return Supervisor(cmd, run_dir, nproc, env, checkpoint_dir, max_restarts).run(prepare)
 
 
 # ---------------------------------------------------------------------------- the rank's side

@@ -118,7 +118,8 @@ def kill_and_resume(tmp_path: Path, nproc: int, settings: dict) -> dict[int, flo
 
 
 def test_sigkill_of_one_rank_brings_the_job_down(tmp_path):
-    path = write(tmp_path, "victim", CKPT | {"train": {"steps": 5000}})
+    """With launcher.max_restarts 0, as before restarts existed (tests/test_faults_local.py: with them)."""
+    path = write(tmp_path, "victim", CKPT | {"train": {"steps": 5000}, "launcher": {"max_restarts": 0}})
     proc = start(path, 2)
     wait_for_step(tmp_path / "victim", 12, proc)
     pids = rank_pids(tmp_path / "victim/manifest.yaml")

@@ -172,7 +172,7 @@ def test_a_failing_data_source_ends_the_job_within_seconds(tmp_path, workers, ho
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(FAULT)  # every rank imports it at start-up
     config = tiny_config("datafault", tmp_path / "run", steps=100000)
-    config["launcher"] = {"nproc": 2}
+    config["launcher"] = {"nproc": 2, "max_restarts": 0}  # the failure itself, not the restart after it
     config["data"]["workers"] = workers  # 0: the reader thread; 2: worker processes, forked from rank 1
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

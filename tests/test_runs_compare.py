@@ -91,7 +91,8 @@ def test_runs_table_shows_each_state_and_is_not_cut_when_piped(every_state, caps
         code, out, err = runs(capsys, str(every_state))
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["run", "state", "step", "loss", "tokens/s", "MFU", "peak", "mem", "age", "note"]
+    assert lines[0].split() == ["run", "state", "step", "loss", "tokens/s", "MFU", "peak", "mem", "goodput", "restarts",
+                                "age", "note"]
     got = {line.split()[0]: line.split()[1] for line in lines[1:]}
     assert got == {"a": "completed", "b": "completed", "failed": "failed", "requeue": "requeue",
                    "cancelled": "cancelled", "hung": "hung", "died": "died", "running": "running", "corrupt": "corrupt",

@@ -196,7 +196,9 @@ def test_a_signal_to_a_rank_before_it_has_imported_torch_is_honoured(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 75, err[-3000:]
-    assert status(tmp_path / "early") | {"time": 0} == {"state": "requeue", "step": 1, "error": None, "time": 0}
+    early = status(tmp_path / "early")
+    assert early | {"time": 0, "goodput": 0} == {"state": "requeue", "step": 1, "error": None, "time": 0, "goodput": 0,
+                                                 "restarts": 0, "lost_steps": 0}  # a save on a signal is no fault
     assert_committed_at(tmp_path / "early", 1)
     assert "SIGUSR1: saving at the next step boundary" in err and "Traceback" not in err, err[-3000:]
 
@@ -261,7 +263,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 def test_a_sigstopped_rank_is_caught_as_a_hang_within_the_timeout(tmp_path):
     timeout = 5
     manifest = tmp_path / "stop/manifest.yaml"
-    path = write(tmp_path, "stop", LONG | {"train": {"steps": 100000, "hang_timeout_s": timeout}})
+    path = write(tmp_path, "stop", LONG | {"train": {"steps": 100000, "hang_timeout_s": timeout},
+                                           "launcher": {"max_restarts": 0}})  # restarted: tests/test_faults_local.py
     proc = start(path, 2)
     try:
         wait_for_step(tmp_path / "stop", 3, proc)

@@ -192,8 +192,8 @@ def test_sweep_is_one_array_of_finished_runs(slurm, jobs, tmp_path):
 
 @pytest.mark.parametrize("overrides, words", [
     (["launcher.slurm.partition=nope"], "invalid partition name specified (launcher.slurm.partition is nope"),
-    (["launcher.slurm.nodes=3", "launcher.slurm.gpus_per_node=1", "train.global_batch=24"],
-     "node count specification invalid (launcher.slurm.nodes is 3; the partition has fewer nodes)"),
+    (["launcher.slurm.nodes=4", "launcher.slurm.gpus_per_node=1", "train.global_batch=32"],  # the test Slurm: 3 nodes
+     "node count specification invalid (launcher.slurm.nodes is 4; the partition has fewer nodes)"),
     # one node: "more processors requested than permitted"; several: "requested node configuration is not available"
     (["launcher.slurm.gpus_per_node=8", "train.global_batch=64"],
      " (launcher.slurm.gpus_per_node (tasks per node) is 8, cpus_per_task 1; "),

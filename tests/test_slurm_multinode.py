@@ -1,6 +1,6 @@
 """`mantra submit` on several nodes, against a real multi-node Slurm on this machine
-(tests/slurm/start-local-slurm.sh --nodes 2: the default partition holds nodes n1 and n2, each slurmd
-in its own network namespace with its own IP and hostname).
+(tests/slurm/start-local-slurm.sh --nodes 3: the default partition holds nodes n1 to n3, each slurmd
+in its own network namespace with its own IP and hostname; these jobs take 2 of them).
 
 Ranks on different nodes train like local ranks; a node that dies mid-run (its slurmd, slurmstepd and
 task killed) gets the job requeued by Slurm, and once the node is back the next allocation resumes
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, read_jsonl
-from slurm_fixtures import require_local_slurm, skip_requeue_hold, start_local_slurm, submitted_jobs, wait_until
+from slurm_fixtures import (NODES, job_id_of, kill_node, ranks_on, require_multinode, scontrol,
+                            start_local_slurm, submitted_jobs, wait_until)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TINY_CPU = "manifests/tiny-cpu.yaml"
-NODES = 2
 SLURM_ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 TWO_NODES = ["--set", "launcher.slurm.nodes=2", "--set", "launcher.slurm.gpus_per_node=1"]
 TRAIN = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "logging.every=1"]
@@ -35,8 +35,7 @@ TRAIN = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "logg
 @pytest.fixture(scope="module")
 def cluster():
     """The multi-node local Slurm, started here if it is not (root needed). CI never skips: it fails."""
-    require_local_slurm("multi-node local Slurm", "--nodes", str(NODES),
-                        not_root="cannot start slurmd in network namespaces")
+    require_multinode()
     yield
     start_local_slurm("--nodes", str(NODES))  # a node a test killed comes back for whoever runs next
 
@@ -84,28 +83,9 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
 
 
-def scontrol(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=SLURM_ENV).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out.splitlines()[0])) if out.strip() else {}
-
-
-def job_id_of(run_dir: Path) -> str:
-    return wait_until(lambda: next((p.name.split("_")[0] for p in (run_dir / "slurm").glob("*/*_submission.sh")), None),
-                      60, "the submission")
-
-
 def logged_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return max((row["step"] for row in read_jsonl(path)), default=0) if path.exists() else 0
-
-
-def ranks_on(run_dir: Path, job: str) -> list[tuple[int, str, int]]:
-    """(rank, hostname, restart) from each task's `mantra: rank R of W on HOST` line, every run of the job."""
-    found = []
-    for log in (run_dir / "slurm").glob(f"*/{job}_*_log.err"):
-        for m in re.finditer(r"^mantra: rank (\d+) of \d+ on (\S+) .*?(?:; restart (\d+) of job .*)?$", log.read_text(), re.M):
-            found.append((int(m.group(1)), m.group(2), int(m.group(3) or 0)))
-    return sorted(found, key=lambda r: (r[2], r[0]))
 
 
 def task_pid(job: str, rank: int) -> int | None:
@@ -122,15 +102,6 @@ def task_pid(job: str, rank: int) -> int | None:
                 and f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env):
             return int(proc.name)
     return None
-
-
-def kill_node(node: str) -> list[int]:
-    """A node dies: every process in its network namespace (its slurmd, slurmstepd and tasks), SIGKILL."""
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", f"mantra-{node}"], capture_output=True,
-                                           text=True, check=True).stdout.split()]
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
 
 
 def test_two_nodes_one_task_each_equal_two_local_ranks(cluster, jobs, tmp_path, tmp_path_factory):
@@ -218,9 +189,11 @@ def test_a_dead_node_requeues_the_job_which_resumes_exactly(cluster, jobs, tmp_p
 
 
 def test_a_task_killed_alone_fails_the_job(cluster, jobs, tmp_path):
-    """The batch script exits with srun's code: a task killed by a signal is a failure, never COMPLETED."""
+    """With launcher.max_restarts 0 the batch script exits with srun's code: a task killed by a signal is a
+    failure, never COMPLETED (with restarts, tests/test_slurm_faults.py: the step starts again)."""
     run_dir = tmp_path / "k"
-    proc = submit_waiting(run_dir, *TWO_NODES, "--set", "train.steps=200", "--set", "checkpoint.every=100")
+    proc = submit_waiting(run_dir, *TWO_NODES, "--set", "train.steps=200", "--set", "checkpoint.every=100",
+                          "--set", "launcher.max_restarts=0")
     try:
         job = job_id_of(run_dir)
         jobs.append(job)
@@ -235,12 +208,14 @@ def test_a_task_killed_alone_fails_the_job(cluster, jobs, tmp_path):
     info = scontrol(job)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0" and info["Restarts"] == "0", info
     assert f"error: job {job} (tiny-cpu) ended FAILED (exit {info['ExitCode']}" in err, err[-2000:]
+    assert "not restarted: launcher.max_restarts is 0" in err, err[-2000:]
 
 
 def test_a_hung_task_ends_in_the_hang_timeout_and_the_job_resumes(cluster, jobs, tmp_path, tmp_path_factory):
     """A node that hangs (its task SIGSTOPped): the live rank's watchdog gives up after train.hang_timeout_s
-    with its Python stacks in the log and status.json `hung`; the batch script requeues the job, which
-    resumes from its last committed checkpoint to the losses of a run never interrupted."""
+    with its Python stacks in the log and status.json `hung`; the batch script starts the step again in the
+    same allocation (no requeue), which resumes from its last committed checkpoint to the losses of a run
+    never interrupted."""
     run_dir = tmp_path / "hang"
     proc = submit_waiting(run_dir, *TWO_NODES, *TRAIN, "--set", "train.hang_timeout_s=10")
     try:
@@ -251,18 +226,18 @@ def test_a_hung_task_ends_in_the_hang_timeout_and_the_job_resumes(cluster, jobs,
         assert proc.poll() is None and pid is not None
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.time()
-        wait_until(lambda: scontrol(job).get("Restarts") == "1", 120, "the job to be requeued")
-        requeue_s = time.time() - stopped_at
-        skip_requeue_hold(job, SLURM_ENV)  # every node is up: nothing of the old run is pending
+        wait_until(lambda: "starting the job step again" in next((run_dir / "slurm").glob(f"*/{job}_0_log.err")).read_text(),
+                   120, "the step to start again")
+        restart_s = time.time() - stopped_at
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
-    print(f"\ntask stopped: job requeued after {requeue_s:.1f} s (train.hang_timeout_s 10)")
-    assert 10 <= requeue_s < 40
+    print(f"\ntask stopped: the step started again after {restart_s:.1f} s (train.hang_timeout_s 10)")
+    assert 10 <= restart_s < 40
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert re.search(r"rank 0: no progress for 1\d\.\d s in step \d+ \(train.hang_timeout_s 10\); Python stacks follow", err), err[-3000:]
-    assert "most recent call first" in err and 'the job hung ({"state": "hung"' in err, err[-3000:]
-    assert f"job {job} (tiny-cpu) completed after 1 restart (SLURM_RESTART_COUNT=1): 2 ranks, 8 steps" in out
+    assert "most recent call first" in err and re.search(r"mantra: failed at step \d+ \(rank 0 on n\d: no progress for", err), err[-3000:]
+    assert f"job {job} (tiny-cpu) completed: 2 ranks, 8 steps" in out and scontrol(job)["Restarts"] == "0"
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "completed" and status["restarts"] == 1, status
     assert_same_losses(losses(run_dir), local_losses(tmp_path_factory, "--nproc", "2", *TRAIN))

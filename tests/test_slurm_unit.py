@@ -287,21 +287,35 @@ def test_each_task_says_where_it_runs_and_which_restart(monkeypatch):
     assert where_am_i().endswith("; restart 2 of job 6 (SLURM_RESTART_COUNT=2)")
 
 
-def test_status_json_counts_slurm_restarts(tmp_path, monkeypatch):
+def test_status_json_counts_restarts_after_faults_not_requeues(tmp_path, monkeypatch):
+    """`restarts` counts the times a run started again after a fault (the ledger, trainer/run/ledger.py); a
+    requeue for the time limit (SLURM_RESTART_COUNT) saved first and is not one."""
+    from trainer.run import ledger
     from trainer.run.status import RunStatus
 
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    RunStatus(tmp_path, is_rank0=True).write("running", 3)
-    assert "restarts" not in json.loads((tmp_path / "status.json").read_text())
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    RunStatus(tmp_path, is_rank0=True).write("running", 3)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["restarts"] == 0 and status["lost_steps"] == 0 and status["goodput"] is None, status
+    ledger.update(tmp_path, lambda books: (setattr(books, "restarts", 2), setattr(books, "lost_steps", 7)))
     RunStatus(tmp_path, is_rank0=True).write("completed", 12)
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status["state"] == "completed" and status["step"] == 12 and status["restarts"] == 1
+    assert status["state"] == "completed" and status["step"] == 12 and status["restarts"] == 2, status
+    assert status["lost_steps"] == 7
 
 
-def test_a_hung_job_is_requeued_by_its_script_a_bounded_number_of_times(tmp_path):
-    runs, _ = runs_for(tmp_path, sweeps=("train.seed=1,2",))
+def test_a_failed_step_is_started_again_in_the_allocation_or_the_job_requeued(tmp_path):
+    """The batch script loops around srun: each array element asks launchers/slurm_restart.py with its own
+    run directory, starts a new srun once every node answers, requeues when one does not, and otherwise
+    ends with srun's code (or the verdict's: a crash loop, a bad manifest)."""
+    runs, _ = runs_for(tmp_path, "launcher.max_restarts=5", sweeps=("train.seed=1,2",))
     script = sbatch_script(runs, tmp_path / "sub", tmp_path, gpus=False)
-    assert f"run_dirs=({tmp_path / 'run-seed1'} {tmp_path / 'run-seed2'})" in script  # array element i: run dir i
-    assert '''grep -qs '"state": "hung"' "$status" && [ "${SLURM_RESTART_COUNT:-0}" -lt 2 ]''' in script
-    assert script.index("scontrol requeue") < script.index("run_dirs=") < script.rindex('exit "$rc"')
+    lines = script.splitlines()
+    assert f"run_dirs=({tmp_path / 'run-seed1'} {tmp_path / 'run-seed2'})" in lines  # array element i: run dir i
+    assert "max_restarts=(5 5)" in lines and "i=${SLURM_ARRAY_TASK_ID:-0}" in lines
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    loop, done = lines.index("while :; do"), lines.index("done")
+    assert lines.index('"${restart[@]}" begin || exit 1') < loop < srun < done < len(lines) - 1
+    assert lines.index('verdict="$("${restart[@]}" after "$rc" "$since")"') < lines.index("if ! wait_for_nodes; then") < done
+    assert "--overlap" in lines[srun] and '    scontrol requeue "$SLURM_JOB_ID" && exit 0' in lines[done - 4:done]
+    assert lines[-1] == 'exit "$rc"'

@@ -1,6 +1,6 @@
 """tests/slurm/start-local-slurm.sh itself: idempotent when the cluster runs, `--stop` leaves no daemon,
-namespace or bridge behind, and starting again brings back the same 2-node partition (each node its
-own address and hostname)."""
+namespace or bridge behind, and starting again brings back the same partition of NODES nodes, the one
+every Slurm test shares (tests/slurm_fixtures.py), each node its own address and hostname."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import require_local_slurm, start_local_slurm
+from slurm_fixtures import NODES, require_local_slurm, start_local_slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -39,15 +39,17 @@ def nodes() -> list[tuple[str, str, str]]:
     return sorted(tuple(line.split()) for line in out.splitlines())
 
 
-def test_stop_undoes_everything_and_a_start_brings_the_two_nodes_back():
-    require_local_slurm("2-node local Slurm", "--nodes", "2", not_root="cannot start slurmd in network namespaces")
+def test_stop_undoes_everything_and_a_start_brings_the_nodes_back():
+    names = [f"n{i}" for i in range(1, NODES + 1)]
+    want = [(node, f"10.200.0.{10 + i}", "idle") for i, node in enumerate(names, 1)]
+    require_local_slurm(f"{NODES}-node local Slurm", "--nodes", str(NODES), not_root="cannot start slurmd in network namespaces")
     t0 = time.time()
-    again = start_local_slurm("--nodes", "2")
-    assert again.returncode == 0 and "already running (2 nodes)" in again.stderr, again.stderr
+    again = start_local_slurm("--nodes", str(NODES))
+    assert again.returncode == 0 and f"already running ({NODES} nodes)" in again.stderr, again.stderr
     assert time.time() - t0 < 5
-    assert nodes() == [("n1", "10.200.0.11", "idle"), ("n2", "10.200.0.12", "idle")]
+    assert nodes() == want
     daemons = pids_from("slurm*.pid")
-    assert sorted(daemons) == ["slurmctld.pid", "slurmd-n1.pid", "slurmd-n2.pid"], daemons
+    assert sorted(daemons) == ["slurmctld.pid", *(f"slurmd-{node}.pid" for node in names)], daemons
 
     stopped = start_local_slurm("--stop")
     assert stopped.returncode == 0, stopped.stderr
@@ -57,15 +59,15 @@ def test_stop_undoes_everything_and_a_start_brings_the_two_nodes_back():
     assert subprocess.run(["ip", "link", "show", "mantra-br0"], capture_output=True).returncode != 0
     assert subprocess.run(["scontrol", "ping"], capture_output=True).returncode != 0
 
-    started = start_local_slurm("--nodes", "2")
+    started = start_local_slurm("--nodes", str(NODES))
     assert started.returncode == 0, started.stderr
-    assert nodes() == [("n1", "10.200.0.11", "idle"), ("n2", "10.200.0.12", "idle")]
+    assert nodes() == want
     addresses = {node: subprocess.run(["ip", "-n", f"mantra-{node}", "-4", "-o", "addr", "show", "eth0"],
-                                      capture_output=True, text=True).stdout.split()[3] for node in ("n1", "n2")}
-    assert addresses == {"n1": "10.200.0.11/24", "n2": "10.200.0.12/24"}, addresses
+                                      capture_output=True, text=True).stdout.split()[3] for node in names}
+    assert addresses == {node: f"{address}/24" for node, address, _ in want}, addresses
     hostnames = {node: subprocess.run(["nsenter", "-t", str(pid), "-u", "hostname"], capture_output=True,
                                       text=True).stdout.strip() for node, pid in node_daemons().items()}
-    assert hostnames == {"n1": "n1", "n2": "n2"}, hostnames
+    assert hostnames == {node: node for node in names}, hostnames
 
 
 def test_a_bad_node_count_is_refused_in_one_line():

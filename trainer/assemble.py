@@ -213,7 +213,8 @@ def build_meter(run: Resolved, device: torch.device, training: Training) -> Mete
     m, mesh = run.manifest, training.mesh
     return Meter(device, get_model_spec(m.model.kind).flops_per_token(m.model), run.tokens_per_step, run.world_size,
                  dp_group=mesh["dp_cp"].get_group() if mesh is not None else None,
-                 pipeline=training.pipeline, peak_tflops=m.logging.peak_tflops)
+                 pipeline=training.pipeline, peak_tflops=m.logging.peak_tflops,
+                 parts=training.parts, run_dir=run.run_dir)  # each rank's forward time: stragglers
 
 
 def build_run_validation(run: Resolved, rank: int, device: torch.device, training: Training) -> Validation:

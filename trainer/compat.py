@@ -60,6 +60,9 @@ APIS = {
                           "(2.12+), FSDPParamGroup.post_backward, FSDPState._root_post_backward_final_callback"),
     "mesh_flatten": Api("any layout of more than one rank (the flattened dp mesh)", "DeviceMesh._flatten"),
     "mesh_unflatten": Api("expert parallel (the ep and expert-dp meshes carved out of dp x cp)", "DeviceMesh._unflatten"),
+    "group_timeouts": Api("every process group bounded by train.hang_timeout_s, the mesh's subgroups included",
+                          "torch.distributed.distributed_c10d: _set_pg_timeout, _world.pg_names, and the module's "
+                          "default_pg_timeout / default_pg_nccl_timeout that new groups take"),
     "foreach": Api("gradient norms and clipping", "torch._foreach_norm, torch._foreach_mul_",
                    otherwise="a loop of torch.linalg.vector_norm and mul_"),
     "sdpa_ops": Api("selective recompute (which ops to keep)", "torch.ops.aten._scaled_dot_product_*, _grouped_mm",
@@ -312,6 +315,26 @@ def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) ->
         raise _unsupported("mesh_unflatten", "DeviceMesh._unflatten")
     RESOLVED.append("DeviceMesh._unflatten")
     return unflatten(0, tuple(sizes), tuple(names))
+
+
+# -- process-group timeouts -------------------------------------------------------------------------------
+
+def bound_groups(timeout: Any) -> int:
+    """Every process group this rank belongs to, and every group created from now on (torch's `new_group`
+    takes the module's default, not the world group's: 30 minutes on gloo, 10 on NCCL), gets `timeout`
+    (a timedelta). Returns how many existing groups were bounded."""
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    set_timeout = _private("group_timeouts", "torch.distributed.distributed_c10d", "_set_pg_timeout")
+    world = _private("group_timeouts", "torch.distributed.distributed_c10d", "_world")
+    c10d.default_pg_timeout = timeout
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+        c10d.default_pg_nccl_timeout = timeout
+    bounded = 0
+    for group in list(world.pg_names):
+        with contextlib.suppress(ValueError, RuntimeError):  # a group this rank is not in, or one torch closed
+            set_timeout(timeout, group)
+            bounded += 1
+    return bounded
 
 
 # -- foreach kernels --------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def train(run: Resolved, info: RankInfo | None = None, on_finish=None,
         RunStatus(run.run_dir, True).write("hung", step, why)
 
     with HangWatchdog.for_rank(run, info.rank, device.type, on_hang=hung) as watchdog:  # see trainer/run/watchdog.py
-        init_distributed(info, device, watchdog.collective_timeout_s)
+        init_distributed(info, device, watchdog.collective_timeout_s,  # and: every rank sees the same directories
+                         shared_dirs=(("run directory", run.run_dir), ("checkpoint directory", run.checkpoint_dir)))
         try:
             return _train(run, info, device, on_finish, watchdog, preempt)
         finally:

@@ -37,6 +37,7 @@ from trainer.manifest.sections import (  # noqa: F401  re-exported: the sections
     MAX_NODES,
     MAX_NPROC,
     MAX_PP,
+    MAX_RESTARTS,
     MAX_SEED,
     MAX_SEQ_LEN,
     MAX_SOURCES,

@@ -66,6 +66,7 @@ MAX_NODES = 2**16
 MAX_GPUS_PER_NODE = 1024
 MAX_CPUS = 2**16  # slurm.cpus_per_task
 MAX_NPROC = 4096  # local ranks on one machine
+MAX_RESTARTS = 1000  # launcher.max_restarts: restarts in a row without a new checkpoint
 MAX_GRACE_S = 65535  # Slurm's --signal takes at most 65535 seconds
 
 
@@ -358,6 +359,9 @@ class SlurmSection(Section):
 class LauncherSection(Section):
     kind: LauncherKind = LauncherKind.local
     nproc: PositiveInt = Field(1, description="local ranks (torchrun --nproc-per-node)", le=MAX_NPROC)
+    max_restarts: NonNegativeInt = Field(
+        3, le=MAX_RESTARTS, description="restarts from the last committed checkpoint after a dead rank, a lost peer "
+        "or node, or a hang (mantra run --nproc N and Slurm); counted in a row, reset by each new checkpoint; 0: none")
     slurm: SlurmSection = SlurmSection()
 
 

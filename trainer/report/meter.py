@@ -12,9 +12,12 @@ from typing import Any
 # of the pipelined forward-backward (null without pipeline parallelism); skipped_steps: updates dropped
 # so far for a non-finite loss or gradient norm (train.on_nonfinite: skip); val_loss / val_ppl: the mean token
 # cross-entropy over data.valid's first train.eval_batches global batches and its exp (null at steps not evaluated);
-# rollbacks: optimizer steps redone so far under parallel.post_validation (clipped or non-finite; null without it)
+# rollbacks: optimizer steps redone so far under parallel.post_validation (clipped or non-finite; null without it);
+# step_time_max_over_median: the slowest rank's compute time per step over the median rank's (null on one rank;
+# trainer/report/straggler.py)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "val_loss", "val_ppl")
+               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "val_loss", "val_ppl",
+               "step_time_max_over_median")
 INT_KEYS = frozenset({"step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes"})
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
@@ -81,10 +84,12 @@ class Meter:
     `flops_per_token`: the model kind's (ModelSpec.flops_per_token: the parameters a token runs through,
     so an MoE counts its active experts); `world_size` the devices MFU divides the peak over; `dp_group`
     the ranks whose losses average to the global batch's (None: one); `tokens_per_step` the global batch's
-    tokens; `pipeline` adds its busy / idle / bubble keys."""
+    tokens; `pipeline` adds its busy / idle / bubble keys. `parts` (trainer.parallel.parts.ModelParts): the
+    modules whose forwards time each rank for step_time_max_over_median (building the Meter is then a
+    collective); `run_dir`: where a straggler is recorded (status.json)."""
 
     def __init__(self, device, flops_per_token: float, tokens_per_step: int, world_size: int,
-                 dp_group=None, pipeline=None, peak_tflops: float | None = None):
+                 dp_group=None, pipeline=None, peak_tflops: float | None = None, parts=None, run_dir=None):
         import torch
 
         self.device, self.pipeline, self.dp_group = device, pipeline, dp_group
@@ -94,6 +99,12 @@ class Meter:
         self.timer = StepTimer(device)
         self.window_time, self.window_steps = 0.0, 0
         self.last_window = (0.0, 0)
+        self.stragglers, self.last_ratio = None, None
+        if parts is not None:
+            from trainer.report.straggler import Stragglers
+
+            modules = [parts.model] if parts.stages is None else list(parts.stages.values())
+            self.stragglers = Stragglers(modules, device, pipeline.pp_rank if pipeline else 0, run_dir)
 
     def start(self) -> None:
         self.timer.start()
@@ -108,9 +119,13 @@ class Meter:
 
         if self.dp_group is not None:  # the mean loss over the global batch (collective: every rank logs)
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+        fresh = self.window_steps > 0
         if self.window_steps:  # two steps reported at one boundary (post-validation): the second shares the window
             self.last_window = (self.window_time, self.window_steps)
         window_time, window_steps = self.last_window
+        if self.stragglers is not None and fresh:  # the same on every rank: the collective is called alike
+            self.last_ratio = self.stragglers.measure(step, window_steps)
+        ratio = self.last_ratio
         tokens_per_s = self.tokens_per_step * window_steps / window_time
         out = {
             "step": step,
@@ -124,5 +139,6 @@ class Meter:
         }
         # per-step busy / idle seconds and idle fraction of the worst pipeline rank (collective); none without pp
         out |= self.pipeline.timing_metrics() if self.pipeline else {"busy_s": None, "idle_s": None, "bubble": None}
+        out["step_time_max_over_median"] = ratio
         self.window_time, self.window_steps = 0.0, 0
         return out

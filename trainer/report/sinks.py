@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.report.meter import INT_KEYS, METRIC_KEYS
+from trainer.report.straggler import RATIO as STRAGGLER_RATIO
 
 
 def _missing(package: str) -> RuntimeError:
@@ -58,6 +59,8 @@ class ConsoleSink:
           + [f"{num('step_time_s', '.3f')} s/step"]
           + ([] if m.get("bubble") is None else [f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"])
           + ([f"skipped {m['skipped_steps']} non-finite"] if m.get("skipped_steps") else [])
+          + ([f"slowest rank {m['step_time_max_over_median']:.2f}x the median"]
+             if (m.get("step_time_max_over_median") or 0) >= STRAGGLER_RATIO else [])
           + ([] if m.get("val_loss") is None else [f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})"]))
 
     def log(self, metrics: dict[str, Any]) -> None:

@@ -20,10 +20,14 @@ What the timeout covers: every phase between two beats, each on a budget of its 
   stuck step quickly, must not kill a start-up that is merely slow.
 A save or step that legitimately takes longer needs a larger hang_timeout_s.
 
-The process group's timeout (`collective_timeout_s`) is the warm-up budget plus a grace: the
-backstop that bounds every collective, also those of the warm-up and on the mesh's subgroups
-(which torch creates with the backend's default timeout), should this thread not get to run. The
-grace lets the watchdog, which can say where the ranks were, act first.
+Every process group's timeout (`collective_timeout_s`, trainer/dist.py) is a phase's budget plus a
+grace: the backstop that bounds every collective should this thread not get to run, and the grace lets
+the watchdog, which can say where the ranks were, act first. During warm-up it is the warm-up budget's;
+once the first step is over every group, the mesh's subgroups included (torch would give them gloo's or
+NCCL's own default of 30 or 10 minutes), gets train.hang_timeout_s's.
+
+The watchdog also passes every beat on to the rank's Heartbeat (trainer/run/heartbeat.py): the time in
+steps for goodput, restarts and lost steps (trainer/run/ledger.py), and how the rank left.
 """
 
 from __future__ import annotations
@@ -78,11 +82,13 @@ class HangWatchdog:
     for start-up and the first step.
 
     `on_hang(step, message)` runs first (the loop writes status.json `hung` there); `log_path` is the
-    file the stacks go to (None: stderr)."""
+    file the stacks go to (None: stderr). `heartbeat` (trainer/run/heartbeat.py) gets every beat, the hang
+    and the exit; `on_warm()` runs once, in the loop's thread, when the first step is over (for_rank: every
+    process group's timeout goes from the warm-up budget's to train.hang_timeout_s's)."""
 
     def __init__(self, timeout_s: float, rank: int, log_path: Path | None,
                  on_hang: Callable[[int | None, str], None] | None = None, exit_grace_s: float = 2.0,
-                 warmup_s: float | None = None):
+                 warmup_s: float | None = None, heartbeat=None, on_warm: Callable[[], None] | None = None):
         self.timeout_s = timeout_s
         self.warmup_s = max(timeout_s, warmup_s or timeout_s)
         self.rank = rank
@@ -90,6 +96,7 @@ class HangWatchdog:
         self.on_hang = on_hang
         self.exit_grace_s = exit_grace_s
         self.poll_s = min(1.0, timeout_s / 10)
+        self.heartbeat, self.on_warm = heartbeat, on_warm
         self._phase: tuple[int | None, str, float, float] = (None, "start-up", time.monotonic(), self.warmup_s)
         self._stepped = False  # the first step is warm-up too
         self._stopped = threading.Event()
@@ -100,9 +107,18 @@ class HangWatchdog:
                  on_hang: Callable[[int | None, str], None] | None = None) -> "HangWatchdog":
         """The watchdog of one rank of `run` (a trainer.manifest.Resolved): its timeout from the manifest
         and the device, its stacks where that rank logs (launchers/rank.py: rank 0 on stderr)."""
+        from trainer.run.heartbeat import Heartbeat
+
         log_path = None if rank == 0 else run.run_dir / "logs" / f"rank{rank}.log"
         timeout = hang_timeout_s(run.manifest.train.hang_timeout_s, device_type)
-        return cls(timeout, rank, log_path, on_hang, warmup_s=warmup_s(timeout, device_type))
+
+        def steady() -> None:  # the first step is over: every collective now within train.hang_timeout_s
+            from trainer.dist import bound_collectives
+
+            bound_collectives(collective_timeout_s(timeout))
+
+        return cls(timeout, rank, log_path, on_hang, warmup_s=warmup_s(timeout, device_type),
+                   heartbeat=Heartbeat(run.run_dir, rank), on_warm=steady)
 
     @property
     def collective_timeout_s(self) -> float:
@@ -113,13 +129,21 @@ class HangWatchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._stopped.set()
+        if self.heartbeat is not None:
+            self.heartbeat.close(exc)
 
     def beat(self, step: int | None, phase: str) -> None:
         """Progress: a new phase (`step`, `checkpoint save`, ...) of `step` begins, with a fresh budget."""
         first_step = phase == "step" and not self._stepped
+        warm_over = self._stepped and self.on_warm is not None
         self._stepped = self._stepped or phase == "step"
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, phase)
+        if warm_over:
+            on_warm, self.on_warm = self.on_warm, None
+            on_warm()
         # one assignment, so the watching thread never pairs a new budget with an old start
         self._phase = (step, phase, time.monotonic(), self.warmup_s if first_step else self.timeout_s)
 
@@ -144,8 +168,11 @@ class HangWatchdog:
             finally:
                 if out is not sys.stderr:
                     out.close()
+            why = f"no progress for {idle:.1f} s in {where} ({limit}); stacks in each rank's log"
+            if self.heartbeat is not None:
+                self.heartbeat.hung(step, phase, why)
             if self.on_hang is not None:
-                self.on_hang(step, f"no progress for {idle:.1f} s in {where} ({limit}); stacks in each rank's log")
+                self.on_hang(step, why)
         finally:
             # the other live ranks stopped at the same boundary: give their watchdogs time to dump too
             # before this rank's exit breaks their collectives
