@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from launchers.plan_format import duration, layout_line
 from trainer.manifest import Resolved, load_manifest
 from trainer.plan import Estimate, estimate
 from trainer.plan.devices import GIB, Device, choose_device
@@ -41,30 +42,6 @@ class PlanInputError(ValueError):
 
 def _gib(x: float) -> str:
     return f"{x / GIB:,.2f}"
-
-
-def duration(seconds: float) -> str:
-    """A time in the unit that shows its digits: 1.23 s, 45.6 ms, 789 µs (never 0.000 s)."""
-    if seconds == 0:
-        return "0"
-    if seconds >= 1:
-        return f"{seconds:,.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
-
-def _layout_line(e: Estimate) -> str:
-    lay = e.layout
-    split = "" if lay.get("stage_split") in (None, "uniform") else f", {lay['stage_split']} {lay['stage_layers']}"
-    pp = (f"pp {lay['pp']} ({lay['schedule']}, {lay['virtual_stages']} chunk{'s' if lay['virtual_stages'] > 1 else ''}"
-          f"{split})" if lay["pp"] > 1 else "pp 1")
-    sp = " + sp" if lay["sequence_parallel"] else ""
-    cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""
-    ep = f" (ep {lay['ep']} of them)" if lay.get("ep", 1) > 1 else ""
-    return (f"dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']}{ep}{cp} x tp {lay['tp']}{sp} x {pp}; "
-            f"{lay['optimizer_sharding']}; recompute {lay['recompute']}; global batch {lay['global_batch']} = "
-            f"micro {lay['micro_batch']} x {lay['microbatches']} microbatches x dp {lay['dp_replicate'] * lay['dp_shard']}")
 
 
 def timeline_of(e: Estimate, steps: int):
@@ -101,7 +78,7 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
         overhead = f" + {c.action_overhead_s * 1e3:.3g} ms per pipeline action" if c.action_overhead_s else ""
         console.print(f"compute efficiency {c.efficiency:.1%} of peak{overhead} ({c.source})", soft_wrap=True,
                       markup=False, highlight=False)
-    console.print(_layout_line(e), soft_wrap=True)
+    console.print(layout_line(e), soft_wrap=True)
     table = Table(title="memory per rank at its peak (GiB)", title_justify="left")
     table.add_column("rank")
     table.add_column("layers", justify="right")
@@ -200,7 +177,7 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
 
         options = SearchOptions(gpus, tuple(pins), top, write, calibration, flags)
         try:
-            return run_search(manifest, overrides, device, why, gpu_mem, options, as_json, console, _layout_line)
+            return run_search(manifest, overrides, device, why, gpu_mem, options, as_json, console)
         except SearchInputError as exc:
             raise PlanInputError(str(exc)) from None
     e = _estimate(run, device, gpu_mem, calibration)

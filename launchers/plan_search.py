@@ -23,6 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from launchers.plan_format import duration, layout_line
 from trainer.manifest import ManifestError, load_manifest
 from trainer.manifest.paths import PATH_FIELDS
 from trainer.manifest.source import apply_override, load_source
@@ -72,7 +73,7 @@ class SearchProgress:
 
 
 def run_search(manifest: str, overrides: list[str], device: Device, why: str, gpu_mem: float | None,
-               options: SearchOptions, as_json: bool, console: Console, layout_line) -> int:
+               options: SearchOptions, as_json: bool, console: Console) -> int:
     """The search, printed or as JSON; `--write` the best layout's manifest. Exit 0 when one fits, 3 when none."""
     if not 1 <= options.top <= 1000:
         raise SearchInputError(f"--top {options.top}: list 1 to 1000 layouts")
@@ -87,7 +88,7 @@ def run_search(manifest: str, overrides: list[str], device: Device, why: str, gp
     if as_json:
         print(json.dumps(_json(found, options, device, why, gpu_mem, code, written), indent=2))
         return code
-    _print(manifest, overrides, found, options, device, why, gpu_mem, console, layout_line)
+    _print(manifest, overrides, found, options, device, why, gpu_mem, console)
     if options.write and not found.best:
         console.print(f"nothing written to {options.write}: no layout fits")
     elif written:
@@ -104,7 +105,7 @@ def counts_line(found: SearchResult) -> str:
 
 
 def _print(manifest: str, overrides: list[str], found: SearchResult, options: SearchOptions, device: Device, why: str,
-           gpu_mem: float | None, console: Console, layout_line) -> None:
+           gpu_mem: float | None, console: Console) -> None:
     mem = f"{gpu_mem:g} GiB" if gpu_mem else "the device's memory"
     calib = found.calibration
     console.print(f"{manifest} on {options.gpus} x {device.name} with {mem} (device: {why})", soft_wrap=True)
@@ -113,19 +114,17 @@ def _print(manifest: str, overrides: list[str], found: SearchResult, options: Se
     if not found.best:
         console.print("[red]no layout fits; add GPUs, memory, or recompute, or shrink the micro-batch or sequence[/red]")
         return
-    console.print(_table("the fastest layouts that fit", found.best, layout_line))
-    console.print(_table("the Pareto front: no layout is both faster and smaller", found.front, layout_line))
+    console.print(_table("the fastest layouts that fit", found.best))
+    console.print(_table("the Pareto front: no layout is both faster and smaller", found.front))
     own = "".join(f" --set {o}" for o in overrides)
     for i, c in enumerate(found.best, 1):
         console.print(f"{i}. mantra plan {manifest}{own} {c.set_line}", soft_wrap=True, markup=False)
 
 
-def _table(title: str, rows: tuple[Candidate, ...], layout_line) -> Table:
+def _table(title: str, rows: tuple[Candidate, ...]) -> Table:
     table = Table(title=title, title_justify="left")
     for col in ("#", "step", "tok/s/dev", "MFU", "peak GiB", "layout"):
         table.add_column(col, justify="left" if col == "layout" else "right")
-    from launchers.plan import duration
-
     for i, c in enumerate(rows, 1):
         e = c.estimate
         table.add_row(str(i), duration(e.timing.step_s), f"{e.timing.tokens_per_s / e.world:,.0f}",

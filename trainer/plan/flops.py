@@ -30,7 +30,7 @@ and microbatch, not by the device, and a plan that ignored it would promise tens
 
 Ring collectives over n ranks move (n-1)/n of the buffer per rank for a reduce-scatter or all-gather and
 twice that for an all-reduce (nccl-tests' busbw convention); a group inside one node runs at the NVLink
-bandwidth, one that spans nodes at the per-GPU network bandwidth.
+bandwidth, one that spans nodes at the per-GPU network bandwidth (comm_time.py: each family's seconds).
 """
 
 from __future__ import annotations
@@ -39,13 +39,22 @@ import functools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from trainer.plan.comm_time import (  # noqa: F401 (moe_all_to_all_bytes: read from here too)
+    bandwidth,
+    context_comm,
+    expert_comm,
+    moe_all_to_all_bytes,
+    ring_time,
+    tensor_parallel_comm,
+)
+from trainer.plan.step_shape import Shape
+
 if TYPE_CHECKING:
     from trainer.plan.model import PlanModel
 
-# Achievable share of the dense peak for this model's matmuls, attention and element-wise work: what a
-# well-tuned compiled bf16 Llama step reaches (issue 7: the plain compiled loop ~55% MFU on an H200 for a
-# 1B model; torchtitan reports ~40-55% for Llama 3 8B on H100s, docs/plan-vs-published.md). An assumption,
-# the largest single source of error in the predicted time; the memory prediction does not depend on it.
+# The share of the dense peak when no calibration is given (estimate passes the published table's row,
+# trainer/plan/efficiency.py, or --efficiency, or a --calibrate fit): an assumption, the largest single
+# source of error in the predicted time; the memory prediction does not depend on it.
 EFFICIENCY = 0.5
 # Ops one block issues per microbatch, forward and backward (eager: ~32 forward: two RMSNorms of ~6 ops,
 # 7 matmuls, RoPE ~8, attention, SiLU, products, residual adds; the backward about twice that), and the
@@ -64,14 +73,6 @@ class Comm:
     dp_s: float = 0.0
     dp_exposed_s: float = 0.0
     pp_p2p_s: float = 0.0  # per transfer
-
-
-def ring_time(nbytes: float, ranks: int, gbps: float, kind: str) -> float:
-    """Seconds for a ring all_reduce | reduce_scatter | all_gather of `nbytes` (the full buffer)."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    factor = (ranks - 1) / ranks * (2 if kind == "all_reduce" else 1)
-    return factor * nbytes / (gbps * 1e9)
 
 
 def block_forward_flops(m: PlanModel, tokens: float) -> float:
@@ -135,39 +136,6 @@ def head_pass_flops(m: PlanModel) -> PassFlops:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the time model needs to know about the run (filled in by estimate.py)."""
-
-    model: PlanModel
-    world: int
-    tp: int
-    pp: int
-    virtual_stages: int
-    dp_replicate: int
-    dp_shard: int
-    sharding: str  # the gradient path that runs: local | none | zero1 | zero2 | zero3
-    schedule: str
-    microbatches: int  # per optimizer step on one rank (grad accumulation, or pipeline microbatches)
-    micro_batch: int
-    recompute: str
-    bf16: bool
-    reduce_bytes: int  # 4 (fp32) or 2 (bf16) per gradient element
-    rank_layers: tuple[int, ...]  # blocks per pipeline rank
-    stage_params: tuple[int, ...]  # parameters per pipeline rank, after tensor parallel
-    owned_params: float  # parameters whose optimizer step one rank does
-    bucket_share: float  # the last bucket's share of a rank's gradients (what cannot overlap)
-    flops_per_token: float
-    global_tokens: int
-    rematerialized: float = 0.0  # selective recompute: activation bytes one block rebuilds per microbatch
-    stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
-    stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
-    schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/split.py: schedule_options)
-    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
-    cp_kind: str = "ulysses"
-    ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back
-
-
-@dataclass(frozen=True)
 class Timing:
     model_flops: float  # per step, all ranks: what MFU counts
     hardware_flops: float  # + recompute
@@ -204,11 +172,6 @@ class Timing:
         return max(self.rank_s) / (sum(self.rank_s) / len(self.rank_s)) if self.rank_s and sum(self.rank_s) else 1.0
 
 
-def _bandwidth(device, span: int) -> float:
-    """Per-GPU ring bandwidth of a group whose ranks spread over `span` consecutive ranks."""
-    return device.intra_gbps if span <= device.gpus_per_node else device.inter_gbps
-
-
 def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float], list[float], list[float]]:
     """Seconds of one microbatch through each virtual stage: forward, backward (input gradients, or all of it
     without a split backward) and weight gradients, at `rate` FLOP/s; selective recompute adds its rebuilt
@@ -243,8 +206,8 @@ def data_parallel_comm(x: Shape, device, compute: float, bwd_last: float) -> flo
     """Exposed seconds of data-parallel communication per step: what the gradient reductions (and zero's
     parameter gathers) do not hide behind the last microbatch's backward (`bwd_last`) or, zero3, the compute."""
     grads = max(x.stage_params) * x.reduce_bytes
-    shard_bw = _bandwidth(device, x.tp * x.dp_shard)
-    rep_bw = _bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
+    shard_bw = bandwidth(device, x.tp * x.dp_shard)
+    rep_bw = bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
 
     def sharded_reduce() -> float:  # reduce-scatter over dp_shard, then the shard all-reduced over the replicas
         return ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
@@ -319,7 +282,7 @@ def pipeline_time(x: Shape, device, rate: float, overhead: float = 0.0) -> Pipel
     rank_s = tuple(sum(t for t, r in zip(stage_s, owner) if r == q) for q in range(x.pp))
     e = 2 if x.bf16 else 4
     act_bytes = x.micro_batch * x.model.seq_len / x.cp * x.model.dim * e / x.tp
-    p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
+    p2p = act_bytes / (bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
     ms = [tuple(1e3 * t for t in ts) for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
     sim_args = (name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
@@ -364,72 +327,7 @@ def predict(x: Shape, device, efficiency: float | None = None, overhead: float =
                   cp_s, cp_bytes, pipe.sim_args, ep_s, ep_bytes, overhead)
 
 
-def tensor_parallel_comm(x: Shape, device) -> float:
-    """Seconds of tensor parallel's collectives per step on the busiest rank: 2 all-reduces in the forward and
-    2 in the backward per block and microbatch (+2 to recompute under full recompute), none hidden."""
-    m, e = x.model, 2 if x.bf16 else 4
-    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens
-    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
-    return max(x.rank_layers) * x.microbatches * per_block
-
-
 def _split_backward(schedule: str) -> bool:
     from trainer.parallel.pipeline.schedules import SCHEDULES
 
     return SCHEDULES.get(schedule).split_backward
-
-
-def expert_comm(x: Shape, device, e: int) -> tuple[float, float]:
-    """(exposed seconds, bytes sent) of expert parallel per step on the busiest pipeline rank: its MoE blocks'
-    all-to-alls (moe_all_to_all_bytes), each on the critical path (a layer's experts wait for their tokens),
-    over the ep ranks, which sit tp apart."""
-    if x.ep <= 1:
-        return 0.0, 0.0
-    m = x.model
-    tokens = x.micro_batch * m.seq_len / x.cp * x.microbatches
-    sent = moe_all_to_all_bytes(m, tokens, x.ep, e, recompute=x.recompute) * max(x.rank_layers) / max(m.layers, 1)
-    return sent / (_bandwidth(device, x.tp * x.ep) * 1e9), sent
-
-
-def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
-    """(exposed seconds, bytes sent) of context parallel per step on one rank (trainer/parallel/context/).
-
-    Ulysses: per block and microbatch, all-to-alls of q, k, v and the attention output in the forward and of
-    their gradients in the backward (again in a full-recompute backward); each sends (cp-1)/cp of the rank's
-    tensor and waits for it: all exposed. Ring: cp-1 K/V blocks forward, K/V again plus the fp32 dK/dV one
-    hop behind in the backward; each transfer is posted before the current block computes, so only what a
-    block's attention does not cover is exposed."""
-    if x.cp == 1:
-        return 0.0, 0.0
-    m, cp = x.model, x.cp
-    tok = x.micro_batch * m.seq_len / cp  # a rank's tokens of one microbatch
-    q = tok * m.dim / x.tp
-    kv = tok * max(m.kv_heads, cp if x.cp_kind == "ulysses" else 1) * m.head_dim / x.tp
-    passes = x.microbatches * max(x.rank_layers)
-    bw = _bandwidth(device, x.tp * cp) * 1e9
-    if x.cp_kind == "ulysses":
-        per = (cp - 1) / cp * e * (2 * q + 2 * kv) * (3 if x.recompute == "full" else 2)
-        return passes * per / bw, passes * per
-    block = 2 * kv * e  # one K/V block
-    sent = (cp - 1) * (block + block + 2 * kv * 4)  # forward K/V, backward K/V and the fp32 dK/dV
-    attention = 3 * 4 * tok * (m.seq_len / cp) * m.dim / x.tp / 2 / rate  # one block's causal scores, fwd + bwd
-    exposed = max(sent / bw - (cp - 1) * attention, 0.0)
-    return passes * exposed, passes * sent
-
-
-def moe_all_to_all_bytes(m: PlanModel, tokens: float, ep: int, e: int, layers=None, recompute: str = "none") -> float:
-    """Bytes one rank sends for expert parallel per step: in each MoE block it runs (`layers`, default all),
-    each of its `tokens` tokens of the step goes to top_k experts (dispatch) and comes back (combine), in the
-    forward and, as gradients, in the backward; (ep-1)/ep of the experts sit on other ranks (routing taken
-    as uniform), e bytes per element:
-
-        per MoE block  4 · tokens · top_k · dim · e · (ep - 1) / ep
-
-    Recompute runs the block's forward again in the backward, its all-to-alls included (selective keeps
-    matmul outputs, not what was received): 6 instead of 4. Dense blocks send nothing."""
-    if ep <= 1 or not m.moe:
-        return 0.0
-    passes = 6 if recompute in ("full", "selective") else 4
-    blocks = range(m.layers) if layers is None else layers
-    k = sum(m.moe[i].top_k for i in blocks if m.moe[i] is not None)
-    return passes * tokens * k * m.dim * e * (ep - 1) / ep
