@@ -42,7 +42,9 @@ def plan_calibrate(manifest: str, overrides: list[str], run_dir: Path, *, gpu: s
              f"({fit.spread[0]:.4g} to {fit.spread[1]:.4g} s) in {run_dir}",
              f"fitted compute efficiency {c.efficiency:.4g} ({c.efficiency:.1%} of {device.peak_tflops:g} TFLOP/s)"
              + (f", pipeline action overhead {c.action_overhead_s * 1e3:.3g} ms" if run.manifest.parallel.pp > 1 else ""),
-             f"the plan's step time at these values: {fit.predicted_s:.4g} s; measured {fit.measured_s:.4g} s "
+             f"before: the plan's step time at the published efficiency {fit.default.efficiency:.3g}: {fit.default_s:.4g} s "
+             f"({fit.default_s / fit.measured_s - 1:+.1%} off the measured)",
+             f"after: the plan's step time at the fitted values: {fit.predicted_s:.4g} s; measured {fit.measured_s:.4g} s "
              f"({fit.predicted_s / fit.measured_s - 1:+.1%})",
              *(f"note: {n}" for n in fit.notes),
              f"use it: mantra plan ... --efficiency {c.efficiency:.4g}"

@@ -88,6 +88,15 @@ def test_calibrate_fits_the_efficiency_that_gives_the_measured_step(tmp_path):
     fit = calibrate(run, cpu, tmp_path)
     assert fit.calibration.efficiency == pytest.approx(0.123, rel=1e-6)
     assert fit.predicted_s == pytest.approx(target, rel=1e-6) and fit.steps == 8 - SKIP
+    table = estimate(run, cpu).timing.step_s  # before the fit: the published table's row for the device
+    assert fit.default.efficiency != 0.123 and fit.default_s == pytest.approx(table, rel=1e-12)
+    before = fit.to_json()["before"]
+    assert before["error"] == pytest.approx(table / target - 1) and abs(fit.to_json()["error"]) < 1e-6
+    shown = subprocess.run([sys.executable, "-m", "launchers.cli", "plan", "manifests/tiny-cpu.yaml", "--gpu", "cpu",
+                            "--calibrate", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert f"before: the plan's step time at the published efficiency {fit.default.efficiency:.3g}" in shown.stdout
+    assert f"({table / target - 1:+.1%} off the measured)" in shown.stdout and "after: " in shown.stdout
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": 1e-9}) + "\n" for s in range(1, 9)))
     with pytest.raises(CalibrationError, match="faster than the plan"):
         calibrate(run, cpu, tmp_path)

@@ -16,9 +16,10 @@ memory  per pipeline rank, its parameters P (each block's elements at this tp an
         and optimizer states twice. A balanced split is bounded by both splits `balance` chooses between.
 time    the busiest rank's compute (flops.stage_times: the microbatches' F + B + W of its stages, after the
         forwards that must reach its first stage and, without a split backward, before the backwards that must
-        leave it) + tensor, context and expert parallel's exposed collectives
-        (flops' own functions) + the optimizer step of the parameters it owns at least; the bubble beyond the
-        first forwards and data parallel's exposed tail are left out.
+        leave it) + tensor, context and expert parallel's exposed collectives (comm_time.py, the plan's own
+        functions) + data parallel's exposed tail without its last bucket, against the most compute it could
+        hide under + the optimizer step of the parameters it owns at least; the bubble beyond the first
+        forwards is left out.
 
 Every layout the search evaluates checks its exact peak and step against them (evaluate.py): a bound above
 the plan is an error, never a silently missed layout.
@@ -82,8 +83,10 @@ class Bounds:
         self._rank_entries: dict[tuple, list[tuple]] = {}
         self._states: dict[tuple, float] = {}
 
-    def memory(self, d: Dials) -> float:
-        return min(self._memory(d, counts) for counts in self.splits(d))
+    def memory(self, d: Dials, stop: float = float("inf")) -> float:
+        """The bound; once it passes `stop` (the capacity) a rank's share of it is bound enough (still below the
+        plan, and above `stop`: the layout cannot fit either way)."""
+        return min(self._memory(d, counts, stop) for counts in self.splits(d))
 
     def states(self, d: Dials) -> float:
         """A bound of every layout with d's degrees and sharding, whatever its schedule, split and batch: the
@@ -148,7 +151,7 @@ class Bounds:
                                                           moments in zip(self.ranks(d, counts), shape)])
         return out
 
-    def _memory(self, d: Dials, counts: tuple[int, ...]) -> float:
+    def _memory(self, d: Dials, counts: tuple[int, ...], stop: float) -> float:
         local = d.dp * d.cp == 1
         params, grads, adam = bytes_per_param("none" if local else d.sharding, d.dp_shard * d.cp)
         states = params + (adam if self.adamw else 0.0)
@@ -186,6 +189,8 @@ class Bounds:
             if redo:  # post-validation's redo: parameters and optimizer states twice
                 bound = max(bound, 2 * held + n * grads)
             worst = max(worst, bound)
+            if worst * SLACK > stop:
+                break
         return worst * SLACK
 
     def _time(self, d: Dials, counts: tuple[int, ...]) -> float:
@@ -203,10 +208,11 @@ class Bounds:
         owners = 1 if mode == "none" else d.dp_shard * d.cp
         optimizer = 28 * max(r[0] for r in ranks) / owners / (self.device.hbm_gbps * 1e9)
         cp_key, ep_key = (key, d.cp_kind), (key, d.ep)
-        if cp_key not in self._comm:
-            self._comm[cp_key] = context_comm(replace(x, cp_kind=d.cp_kind), self.device, self.e, self.rate)[0]
+        if cp_key not in self._comm:  # (none without cp or ep: no Shape copied for them)
+            self._comm[cp_key] = 0.0 if d.cp == 1 else context_comm(replace(x, cp_kind=d.cp_kind), self.device, self.e,
+                                                                    self.rate)[0]
         if ep_key not in self._comm:
-            self._comm[ep_key] = expert_comm(replace(x, ep=d.ep), self.device, self.e)[0]
+            self._comm[ep_key] = 0.0 if d.ep <= 1 else expert_comm(replace(x, ep=d.ep), self.device, self.e)[0]
         dp_key = (key, d.ep, mode, d.dp_replicate, d.dp_shard)
         if dp_key not in self._comm:  # data parallel's tail, its last bucket left out, the compute it overlaps at its most
             dp = replace(x, sharding="local" if d.dp * d.cp == 1 else mode, dp_replicate=d.dp_replicate,

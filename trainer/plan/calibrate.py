@@ -3,7 +3,8 @@ costs beyond its FLOPs.
 
     fit = calibrate(run, device, Path("runs/tiny-cpu"))   # RUN_DIR/metrics.jsonl, pipeline/rank-N.json if profiled
     fit.calibration.efficiency, fit.calibration.action_overhead_s
-    fit.measured_s, fit.predicted_s                        # the run's median steady step, the plan's at the fit
+    fit.measured_s, fit.predicted_s                        # the run's steady step, the plan's at the fit
+    fit.default_s, fit.default                             # the plan's before the fit: the published table's row
 
 The measured step is the lower quartile of `step_time_s` in metrics.jsonl from step SKIP + 1 on (the first
 steps pay for lazy initialisation and allocation): on a dedicated machine the steps hardly differ and any
@@ -27,7 +28,7 @@ from pathlib import Path
 from trainer.manifest import Resolved
 from trainer.plan.devices import Device
 from trainer.plan.efficiency import Calibration
-from trainer.plan.estimate import estimate
+from trainer.plan.estimate import calibration_of, estimate
 
 SKIP = 2  # first steps left out of the measurement
 MIN_STEPS = 3  # steady steps a fit needs
@@ -47,10 +48,15 @@ class Fit:
     steps: int  # steady steps measured
     spread: tuple[float, float]  # their fastest and slowest
     notes: tuple[str, ...] = ()
+    default: Calibration | None = None  # what the plan assumed before the fit (trainer/plan/efficiency.py)
+    default_s: float | None = None  # the plan's step time at it
 
     def to_json(self) -> dict[str, object]:
+        before = None if self.default is None else {
+            "calibration": self.default.to_json(), "predicted_step_s": self.default_s,
+            "error": self.default_s / self.measured_s - 1}
         return {"calibration": self.calibration.to_json(), "measured_step_s": self.measured_s,
-                "predicted_step_s": self.predicted_s, "error": self.predicted_s / self.measured_s - 1,
+                "predicted_step_s": self.predicted_s, "error": self.predicted_s / self.measured_s - 1, "before": before,
                 "steady_steps": self.steps, "fastest_step_s": self.spread[0], "slowest_step_s": self.spread[1],
                 "notes": list(self.notes)}
 
@@ -112,7 +118,9 @@ def calibrate(run: Resolved, device: Device, run_dir: Path) -> Fit:
         else:
             high = mid
     fitted = Calibration(high, overhead, f"fitted to {run_dir}: lower quartile of {len(steady)} steady steps, {measured:.4g} s")
-    return Fit(fitted, measured, _step(run, device, fitted), len(steady), (min(steady), max(steady)), tuple(notes))
+    default = calibration_of(run, device)
+    return Fit(fitted, measured, _step(run, device, fitted), len(steady), (min(steady), max(steady)), tuple(notes),
+               default, _step(run, device, default))
 
 
 def _step(run: Resolved, device: Device, calibration: Calibration) -> float:

@@ -14,7 +14,7 @@ from the plan model (evaluate.py), building no YAML and validating no pydantic m
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 import yaml
 
@@ -135,5 +135,8 @@ def parse_pins(items: Sequence[str]) -> dict[str, object]:
     return pins
 
 
+_FIELDS = tuple(f.name for f in fields(Dials))
+
+
 def _key(d: Dials) -> tuple:
-    return tuple((0, 0) if v is None else (1, v) for v in astuple(d))
+    return tuple((0, 0) if v is None else (1, v) for v in map(d.__getattribute__, _FIELDS))

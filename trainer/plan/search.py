@@ -121,7 +121,7 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
         if bounds.states(d) > capacity:  # its degrees and sharding cannot fit, whatever else
             pruned_memory += 1
             continue
-        lm = bounds.memory(d)
+        lm = bounds.memory(d, capacity)
         if lm > capacity:
             pruned_memory += 1
             continue
