@@ -61,7 +61,7 @@ def test_the_search_ranks_as_the_exhaustive_evaluation(name, gpus, device, gpu_m
 def test_every_dial_is_searched():
     base, _ = load_manifest(ROOT / "manifests/moe-tiny-cpu.yaml", ["model.seq_len=256", "model.layers=16"],
                             data_files=False)
-    seen = {field: set() for field in ("dp_shard", "tp", "cp", "cp_kind", "ep", "pp", "schedule", "virtual_stages",
+    seen = {field: set() for field in ("dp_replicate", "dp_shard", "tp", "sp", "cp", "cp_kind", "ep", "pp", "schedule", "virtual_stages",
                                        "post_validation", "stage_layers", "sharding", "micro_batch", "recompute")}
     for d in Space(base, 16, get_device("cpu")).layouts():
         for field in seen:
@@ -71,6 +71,19 @@ def test_every_dial_is_searched():
     assert {"ring", "ulysses"} <= seen["cp_kind"] and {1, 2, 4, 8, 16} <= seen["cp"] and {1, 2, 4, 8} <= seen["ep"]
     assert {"none", "zero1", "zero2", "zero3"} == seen["sharding"] and {"none", "selective", "full"} == seen["recompute"]
     assert {None, "balanced"} == seen["stage_layers"] and len(seen["micro_batch"]) > 3 and len(seen["dp_shard"]) > 3
+    assert {1, 2, 4} <= seen["dp_replicate"] and {True, False} == seen["sp"]  # HSDP; sp with tp
+
+
+def test_candidates_are_planned_without_a_manifest_each(monkeypatch):
+    """Thousands of candidates, and load_manifest (YAML, schema, rules) only for the input and the winners."""
+    import trainer.plan.search as search_module
+
+    calls = []
+    real = search_module.load_manifest
+    monkeypatch.setattr(search_module, "load_manifest", lambda *a, **k: calls.append(a) or real(*a, **k))
+    found = search(ROOT / "manifests/llama3-8b.yaml", gpus=8, gpu_mem=80, device="h100", top=3)
+    assert found.counts["candidates"] > 1000 and found.counts["evaluated"] > 3
+    assert len(calls) <= 1 + 3, len(calls)  # the input, then each of the top 3 confirmed
 
 
 def test_a_long_sequence_is_best_split_by_context_parallel():
