@@ -82,7 +82,9 @@ def measure(manifests: dict[str, tuple[int, Path]], out: Path, timeout: float = 
 
 
 def compare(manifests: dict[str, tuple[int, Path]], measured: dict[str, list[dict]]) -> list[dict]:
-    """One row per run: the plan's peak for `cpu` vs the largest rank's steady peak, and where each is."""
+    """One row per run: the plan's peak for `cpu` vs the largest rank's steady peak, and where each is; and in
+    "per_rank", every rank's own: the plan's row for its pipeline stage against its steady peak (measured over
+    predicted), so a rank the plan misses is seen even when another rank is the largest."""
     from trainer.manifest import load_manifest
     from trainer.plan import estimate
 
@@ -96,15 +98,31 @@ def compare(manifests: dict[str, tuple[int, Path]], measured: dict[str, list[dic
                      "error": plan.peak / meas - 1, "measured_upper": max(r["steady_peak_upper"] for r in ranks),
                      "rank_spread": 1 - min(r["steady_peak"] for r in ranks) / meas,
                      "predicted_at": max(plan.rows, key=lambda r: r.peak).phase,
-                     "measured_at": max(ranks, key=lambda r: r["steady_peak"])["at"].split("/")[-1]})
+                     "measured_at": max(ranks, key=lambda r: r["steady_peak"])["at"].split("/")[-1],
+                     "per_rank": [_rank_row(run, plan, rank, r) for rank, r in enumerate(ranks)]})
     return rows
 
 
+def _rank_row(run, plan, rank: int, measured: dict) -> dict:
+    """Rank `rank`'s plan row (its pipeline stage's) against what it measured."""
+    row = plan.rows[run.layout.coords(rank)["pp"]]
+    return {"rank": rank, "pp_rank": run.layout.coords(rank)["pp"], "predicted": int(row.peak),
+            "measured": measured["steady_peak"], "measured_over_predicted": measured["steady_peak"] / row.peak,
+            "predicted_at": row.phase, "measured_at": measured["at"].split("/")[-1]}
+
+
+def worst_rank(row: dict) -> dict:
+    """The rank of a run whose measured / predicted is farthest from 1."""
+    return max(row["per_rank"], key=lambda r: abs(r["measured_over_predicted"] - 1))
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["run                        predicted MiB  measured MiB  ratio  ranks differ  peak at (plan | measured)"]
+    lines = ["run                        rank  predicted MiB  measured MiB  meas/pred  peak at (plan | measured)"]
     for r in rows:
-        lines.append(f"{r['name']:26} {r['predicted'] / 2**20:>13.2f} {r['measured'] / 2**20:>13.2f} {r['ratio']:6.3f}  "
-                     f"{r['rank_spread']:11.2%}  {r['predicted_at']} | {r['measured_at']}")
+        for k in r["per_rank"]:
+            lines.append(f"{r['name'] if k['rank'] == 0 else '':26} {k['rank']:>4} {k['predicted'] / 2**20:>14.2f} "
+                         f"{k['measured'] / 2**20:>13.2f} {k['measured_over_predicted']:>10.3f}  "
+                         f"{k['predicted_at']} | {k['measured_at']}")
     return "\n".join(lines)
 
 

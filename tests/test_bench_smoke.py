@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow]
 # bench -> (its smallest setting, the key each JSON line it prints carries); {out}: a file in the test's tmp dir
 SMALLEST = {
     "checkpoint": (["--quick"], "bench"),
+    "chunked_loss": (["--seq", "128", "--dim", "32", "--vocabs", "4096"], "bench"),
     "comm": (["--nproc", "2", "--max-mib", "1"], "bench"),
     "cp": (["--seq", "256", "--no-memory", "--no-overlap"], "bench"),
     "cpu_overhead": (["--quick"], "bench"),  # its dp2 layout: both ranks under one run directory

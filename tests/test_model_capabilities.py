@@ -1,4 +1,5 @@
-"""A model kind declares what it supports (ModelSpec.capabilities, and ModelSpec.pipeline for the split):
+"""A model kind declares what it supports (ModelSpec.capabilities, ModelSpec.pipeline for the split and
+ModelSpec.head for a chunked loss):
 `mantra validate` refuses what it does not declare at the manifest line, naming the kind and the feature,
 exit 2, torch-free. The test plugin tinygpt (tests/plugin_tinygpt) declares none of the optional features;
 the built-ins accept the same settings."""
@@ -60,6 +61,9 @@ REFUSED = [
      "use none, or a kind that does"),
     ("ep", "parallel", "\n  dp_shard: 2\n  optimizer_sharding: zero1\n  ep: 2", 2,
      "parallel.ep: 2 shards experts, but model.kind tinygpt has none; set ep: 1 or use an MoE model kind"),
+    ("loss_chunks", "train", "\n  loss_chunks: 4", 1,
+     "train.loss_chunks: model.kind tinygpt does not support a chunked loss (its ModelSpec.head is None); set "
+     "loss_chunks: 1 or use a kind that does"),
 ]
 
 
@@ -135,12 +139,42 @@ def test_a_kind_without_a_pipeline_spec_refuses_pp(tinygpt, tokens, tmp_path, ca
     assert main(["validate", str(path)]) == 0, capsys.readouterr().err  # the plugin's own spec has one
 
 
+def test_a_kind_refuses_a_selective_policy_it_does_not_declare(tinygpt, tokens, tmp_path, capsys, monkeypatch):
+    """train.selective_policy: a kind that applies selective recompute but hands no policy down keeps all-matmuls."""
+    selective = Capabilities(activation_checkpointing=("none", "selective"))
+    monkeypatch.setitem(MODELS._items, "tinygpt", dataclasses.replace(tinygpt, capabilities=selective))
+    path = manifest(tmp_path, tokens, "tinygpt", "train",
+                    "\n  activation_checkpointing: selective\n  selective_policy: alternate-matmuls")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{where(path, 'selective_policy')}: error: train.selective_policy: model.kind tinygpt does not support the "
+            "alternate-matmuls selective policy; use all-matmuls, or a kind that does") in err, err
+    assert err.count("error:") == 1, err
+    assert main(["validate", str(manifest(tmp_path, tokens, "llama", "train", "\n  activation_checkpointing: selective"
+                                          "\n  selective_policy: alternate-matmuls"))]) == 0, capsys.readouterr().err
+
+
+def test_auto_loss_chunks_runs_whole_for_a_kind_without_a_head(tinygpt, tokens, tmp_path, capsys):
+    """loss_chunks: auto on a kind whose head cannot run apart: a warning, and the run takes the loss whole."""
+    from trainer.manifest import load_manifest
+    from trainer.models import loss_chunks
+
+    path = manifest(tmp_path, tokens, "tinygpt", "train", "\n  loss_chunks: auto")
+    assert main(["validate", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"{where(path, 'loss_chunks')}: warning: train.loss_chunks: model.kind tinygpt cannot run its output head" in err
+    assert loss_chunks(load_manifest(path)[0]) == 1
+
+
 def test_capabilities_default_to_none_and_name_known_modes():
     plain = Capabilities()
     assert not (plain.document_mask or plain.context_parallel or plain.compile or plain.expert_parallel)
     assert plain.activation_checkpointing == ("none",)
     with pytest.raises(ValueError, match="unknown mode 'selectiv'"):
         Capabilities(activation_checkpointing=("none", "selectiv"))
+    assert plain.selective_policies == ("all-matmuls",)
+    with pytest.raises(ValueError, match="unknown policy 'alternate'"):
+        Capabilities(selective_policies=("alternate",))
     spec = ModelSpec(name="bare", description="", config=object, check=lambda cfg: [], build=lazy("math:floor"),
                      init_weights=lambda model, seed: None, num_params=lambda cfg: 0,
                      num_embedding_params=lambda cfg: 0, flops_per_token=lambda cfg: 0.0)

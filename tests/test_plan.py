@@ -221,6 +221,22 @@ def test_saved_tensors_of_one_block_match_the_coefficients(bf16, kv_heads):
 def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
     """The allocator's view for every recompute mode: what stays alive after a block's forward (its output
     aside) is the block's activations less its input (allocated before)."""
+    _check_bytes_kept(mode, bf16, "all-matmuls")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bytes_a_block_keeps_with_alternate_matmuls(bf16):
+    """train.selective_policy: alternate-matmuls keeps wq, wv, w1, w2 and attention's output: what the plan
+    counts, through the allocator (and less than all-matmuls by wk's, wo's and w3's outputs)."""
+    _check_bytes_kept("selective", bf16, "alternate-matmuls")
+    p = act.Precision(bf16)
+    gone = act.block_bytes(plan_model(CFG), 2, "selective", p) - act.block_bytes(plan_model(CFG), 2, "selective", p,
+                                                                                 policy="alternate-matmuls")
+    kv = CFG.n_kv_heads * CFG.dim // CFG.heads
+    assert gone == p.e * 2 * CFG.seq_len * (kv + CFG.dim + CFG.ffn_dim)
+
+
+def _check_bytes_kept(mode: str, bf16: bool, policy: str) -> None:
     import contextlib
 
     import torch
@@ -230,7 +246,7 @@ def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
 
     block, cos, sin = _block(CFG)
     blocks = torch.nn.ModuleDict({"0": block})
-    apply_activation_checkpointing(blocks, mode)
+    apply_activation_checkpointing(blocks, mode, policy=policy)
     b = 2
     x = torch.randn(b, CFG.seq_len, CFG.dim, requires_grad=True)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -246,7 +262,7 @@ def test_bytes_a_block_keeps_after_its_forward(mode, bf16):
     live = track.samples[i - 1].total - done
     p = act.Precision(bf16)
     casts = 2 * sum(q.numel() for q in block.parameters() if q.ndim == 2) if (bf16 and mode == "none") else 0
-    expected = act.block_bytes(plan_model(CFG), b, mode, p) - 4 * b * CFG.seq_len * CFG.dim + casts
+    expected = act.block_bytes(plan_model(CFG), b, mode, p, policy=policy) - 4 * b * CFG.seq_len * CFG.dim + casts
     assert live == pytest.approx(expected, rel=0.01, abs=64)
 
 

@@ -175,3 +175,32 @@ def test_the_bounds_read_schedules_at_fewer_microbatches_safely():
                         for h, p, w, hd, _, _ in rank_capped:
                             assert any(H >= h and P >= p and W >= w and HD >= hd for H, P, W, HD, _, _ in rank_full), \
                                 (name, pp, m, v)
+
+
+@SLOW
+@pytest.mark.parametrize("name,sets", [
+    ("tiny-cpu.yaml", ["train.loss_chunks=4", "train.selective_policy=alternate-matmuls"]),
+    ("moe-tiny-cpu.yaml", ["train.loss_chunks=auto", "train.selective_policy=alternate-matmuls"]),
+])
+def test_the_bounds_stay_below_the_plan_with_a_chunked_loss_and_the_alternate_policy(name, sets):
+    """Every candidate, none pruned: its memory, states and time bounds at or below its exact plan, the base's
+    train.loss_chunks and train.selective_policy carried into each candidate as the plan takes them."""
+    from trainer.plan.bounds import Bounds
+    from trainer.plan.estimate import calibration_of
+    from trainer.plan.evaluate import Evaluator
+
+    base, _ = load_manifest(ROOT / "manifests" / name, sets, data_files=False)
+    cpu = get_device("cpu")
+    calib = calibration_of(base, cpu)
+    bounds, ev = Bounds(base, 8, cpu, calib), Evaluator(base, 8, cpu, calib)
+    checked = 0
+    for d in Space(base, 8, cpu, {"micro_batch": 2}).layouts():
+        run = ev.run(d)
+        if ev.refuses(run):
+            continue
+        assert run.manifest.train.loss_chunks == base.manifest.train.loss_chunks
+        assert run.manifest.train.selective_policy == base.manifest.train.selective_policy
+        peak = max(r.peak for r in ev.rows(run, *ev.cut(run), float("inf")))
+        assert max(bounds.memory(d), bounds.states(d)) <= peak and bounds.time(d) <= ev.timing(run).step_s, d
+        checked += 1
+    assert checked > 100

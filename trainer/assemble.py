@@ -31,8 +31,9 @@ from trainer.data.loader import Loader, build_loader
 from trainer.dist import RankInfo
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Sharding
-from trainer.models import get_model_spec
+from trainer.models import get_model_spec, loss_chunks
 from trainer.optim import build_lr_schedule, build_optimizer
+from trainer.parallel.chunked_loss import HeadLoss
 from trainer.parallel.context.attention import uses_zigzag
 from trainer.parallel.context.split import ContextShard
 from trainer.parallel.data.sync import GradSync, LocalSync, PipelineLocalSync
@@ -106,6 +107,16 @@ def build_grad_sync(parts: ModelParts, run: Resolved, mesh, device: torch.device
                       stages=parts.stages, tie=parts.tie, experts=parts.experts)
 
 
+def head_loss(run: Resolved) -> HeadLoss:
+    """The model kind's loss (ModelSpec.loss), taken with its head chunk by chunk over the sequence when
+    train.loss_chunks asks and the kind's head runs apart (ModelSpec.head)."""
+    spec = get_model_spec(run.manifest.model.kind)
+    chunks = loss_chunks(run)
+    if chunks == 1:
+        return HeadLoss(spec.loss)
+    return HeadLoss(spec.loss, chunks, spec.head.hidden, spec.head.logits)
+
+
 def stage_split(run: Resolved) -> StageSplit | None:
     """The run's pipeline cut (None without pp): uniform, listed or balanced, the answer `mantra plan` and
     `mantra dry-run` read too (trainer/plan/split.py)."""
@@ -141,7 +152,7 @@ def build_pipeline(parts: ModelParts, sync: GradSync, run: Resolved, mesh, devic
     profile = StageProfile(pp_rank) if m.logging.profile_pipeline else None
     others = [d for d in mesh.root.mesh_dim_names if d != "pp"]  # one writer per pipeline rank: the first replica
     writes = profile is not None and all(mesh[d].get_local_rank() == 0 for d in others)
-    return Pipeline(parts.stages, sync, schedule, pp_mesh.get_group(), pp_rank, device, shape, spec.loss,
+    return Pipeline(parts.stages, sync, schedule, pp_mesh.get_group(), pp_rank, device, shape, head_loss(run),
                     lambda: loss_context(p.tp), post_validation=p.post_validated, profile=profile,
                     profile_dir=run.run_dir if writes else None, cost=cost)
 
@@ -255,7 +266,7 @@ def build_stepper(run: Resolved, device: torch.device, training: Training, preem
             return t.pipeline.step(microbatches, t.autocast, t.cp)
     else:
         forward_backward = model_forward_backward(t.model, t.sync, device, t.autocast, m.parallel.tp, run.grad_accum,
-                                                  t.cp, get_model_spec(m.model.kind).loss)
+                                                  t.cp, head_loss(run))
     return SynchronousStep(forward_backward, t.sync, m.optimizer.grad_clip or float("inf"), preempt, guard, after_step)
 
 

@@ -151,21 +151,24 @@ def checkpoint_wrapper() -> Callable:
                     "checkpoint_wrapper")
 
 
-def sdpa_ops() -> set:
-    """The fused attention ops (and the grouped matmul of MoE experts) to keep under selective recompute: those
-    this torch has (names vary by backend)."""
+def _aten_ops(names: tuple[str, ...]) -> set:
+    """The default overloads of the aten ops named, those this torch has (names vary by version and backend)."""
     import torch
 
-    names = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
-             "_grouped_mm")  # the MoE experts' matmuls: kept like every other matmul's output
-    ops = set()
-    for name in names:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None:
-            RESOLVED.append(f"torch.ops.aten.{name}")
-            ops.add(packet.default)
-    return ops
+    packets = [(name, getattr(torch.ops.aten, name, None)) for name in names]
+    RESOLVED.extend(f"torch.ops.aten.{name}" for name, packet in packets if packet is not None)
+    return {packet.default for _, packet in packets if packet is not None}
+
+
+def sdpa_ops() -> set:
+    """The fused attention ops to keep under selective recompute."""
+    return _aten_ops(("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"))
+
+
+def grouped_mm_ops() -> set:
+    """aten's grouped matmul (the MoE experts' matmuls), if this torch has it: a matmul to selective recompute."""
+    return _aten_ops(("_grouped_mm",))
 
 
 @functools.cache

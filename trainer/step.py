@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.models import cross_entropy
+from trainer.parallel.chunked_loss import HeadLoss, LossFn, as_head_loss
 from trainer.parallel.context.split import ContextShard
 from trainer.parallel.data.sync import GradSync
 from trainer.parallel.pipeline.post_validation import PostValidation
@@ -46,10 +47,12 @@ class Stepper(Protocol):
 
 
 def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
-               cp: ContextShard | None = None, loss_fn=cross_entropy) -> torch.Tensor:
+               cp: ContextShard | None = None, loss_fn: LossFn | HeadLoss = cross_entropy) -> torch.Tensor:
     """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced).
     `cp`: under context parallel this rank's slice of each sequence (its tokens, targets and RoPE
-    positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean."""
+    positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean.
+    `loss_fn`: the kind's loss, or a HeadLoss that takes it chunk by chunk (train.loss_chunks)."""
+    head = as_head_loss(loss_fn)
     total = None
     for i, (inputs, targets, *documents) in enumerate(microbatches):  # documents: data.document_mask
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -57,14 +60,14 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
         if cp is not None:
             inputs, targets, positions = cp.slice(inputs, targets)
         with sync.backward_context(last=i == len(microbatches) - 1):
-            with autocast:
+            with autocast:  # the logits, or (chunked loss) the head's input
                 if documents:
-                    logits = model(inputs, documents=documents[0].to(device, non_blocking=True))
+                    out = head.forward(model, inputs, documents=documents[0].to(device, non_blocking=True))
                 else:
-                    logits = model(inputs) if positions is None else model(inputs, positions)
+                    out = head.forward(model, inputs) if positions is None else head.forward(model, inputs, positions)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
-                loss = loss_fn(logits, targets)
-                del logits  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
+                loss = head.loss(model, out, targets, autocast)
+                del out  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
                 (loss / grad_accum).backward()
         loss = loss.detach()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp: a replicated DTensor
@@ -74,7 +77,7 @@ def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, g
 
 
 def model_forward_backward(model, sync: GradSync, device, autocast, tp: int, grad_accum: int,
-                           cp: ContextShard | None, loss_fn) -> Callable[[Sequence], torch.Tensor]:
+                           cp: ContextShard | None, loss_fn: LossFn | HeadLoss) -> Callable[[Sequence], torch.Tensor]:
     """`train_step` over this rank's whole model: microbatches -> the mean loss (without pipeline)."""
     def forward_backward(microbatches) -> torch.Tensor:
         return train_step(model, sync, microbatches, device, autocast, tp, grad_accum, cp, loss_fn)

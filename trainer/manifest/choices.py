@@ -48,6 +48,11 @@ class Recompute(str, enum.Enum):
     selective = "selective"
 
 
+class SelectivePolicy(str, enum.Enum):
+    all_matmuls = "all-matmuls"  # keep every matmul's and attention's output (trainer/parallel/recompute.py)
+    alternate_matmuls = "alternate-matmuls"  # keep every other matmul's output, attention's always (torchtitan's op policy)
+
+
 class OptimizerName(str, enum.Enum):
     adamw = "adamw"
     sgd = "sgd"

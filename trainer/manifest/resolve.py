@@ -68,8 +68,32 @@ class Resolved:
         return self.batch.global_batch * self.manifest.model.seq_len
 
     @property
+    def loss_chunks(self) -> int:
+        """train.loss_chunks as a number (`auto_loss_chunks` for auto); 1: the loss of the whole sequence at once.
+        A model kind without an output head hook (ModelSpec.head) runs 1 whatever this says."""
+        n = self.manifest.train.loss_chunks
+        model, cp = self.manifest.model, self.manifest.parallel.cp
+        return auto_loss_chunks(model.vocab, model.seq_len // cp) if n == "auto" else n
+
+    @property
     def checkpoint_dir(self) -> Path:
         return Path(self.manifest.checkpoint.dir) if self.manifest.checkpoint.dir else self.run_dir / "ckpt"
+
+
+AUTO_CHUNK_VOCAB = 2048  # train.loss_chunks: auto: one chunk per this many vocabulary entries
+AUTO_CHUNK_TOKENS = 16  # ... and at least this many of a rank's tokens per chunk
+
+
+def auto_loss_chunks(vocab: int, tokens: int) -> int:
+    """train.loss_chunks: auto, for a vocabulary of `vocab` and `tokens` tokens per sample on a rank:
+    ceil(vocab / 2048) chunks, so that one chunk's fp32 logits are no larger than a [micro_batch, seq, 2048]
+    fp32 tensor (one activation of a mid-size block), as long as each chunk keeps 16 tokens; 1 for a
+    vocabulary of 2048 or less.
+
+        auto_loss_chunks(128256, 8192) == 63        auto_loss_chunks(32768, 2048) == 16
+        auto_loss_chunks(256, 64) == 1              auto_loss_chunks(32768, 64) == 4
+    """
+    return max(1, min(-(-vocab // AUTO_CHUNK_VOCAB), tokens // AUTO_CHUNK_TOKENS))
 
 
 def world_size(m: ManifestSections) -> int:

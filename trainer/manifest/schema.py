@@ -69,6 +69,7 @@ from trainer.manifest.sections import (  # noqa: F401  re-exported: the sections
     ReduceDtype,
     Schedule,
     ScheduleCosts,
+    SelectivePolicy,
     Seconds,
     Section,
     Sharding,

@@ -1,6 +1,6 @@
 """The manifest's sections: one strict, frozen pydantic model per section, and the model section's base.
 
-A leaf (imports nothing of mantra but choices.py, whose enums it names for schema.py too), torch-free:
+A leaf (imports only choices.py, whose enums schema.py names from here, and train_memory.py), torch-free:
 `mantra validate` runs on login nodes and in editors, and every model kind's config class derives from
 ModelSection here. Unknown keys are errors (extra="forbid"); closed choices are enums (choices.py);
 nothing here mutates a value. Every whole number has an upper bound (MAX_* below, `maximum` in
@@ -39,6 +39,7 @@ from trainer.manifest.choices import (
     Verify,
     WandbMode,
 )
+from trainer.manifest.train_memory import LOSS_CHUNKS, SELECTIVE_POLICY, LossChunks, SelectivePolicy
 
 MANIFEST_VERSION = 1
 
@@ -220,6 +221,8 @@ class TrainSection(Section):
     steps: PositiveInt = Field(description="optimizer steps", le=MAX_STEPS)
     precision: Precision = Field(Precision.auto, description="auto: bf16 on GPU, fp32 on CPU")
     activation_checkpointing: Recompute = Field(Recompute.none, description="none | full | selective")
+    selective_policy: SelectivePolicy = SELECTIVE_POLICY  # train_memory.py: the two dials of a step's memory
+    loss_chunks: LossChunks = LOSS_CHUNKS
     compile: bool = Field(False, description="torch.compile each block")
     seed: NonNegativeInt = Field(0, description="seeds init and data order", le=MAX_SEED)
     on_nonfinite: OnNonFinite = Field(

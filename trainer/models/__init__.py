@@ -3,6 +3,7 @@
     spec = get_model_spec(manifest.model.kind)   # the built-ins (llama, moe) and every plugin
     config_class("llama")                        # its `model:` section's class
     model_names()                                # ["llama", "moe", ...]
+    loss_chunks(run)                             # train.loss_chunks as the kind can run it
 
 What a spec holds is trainer/models/spec.py's (imported from here too, as before). The built-in kinds
 are packages beside this one, added on the first lookup; third-party kinds register through the
@@ -23,6 +24,7 @@ from trainer.models.spec import (  # noqa: F401  re-exported: what a kind's pack
     Issue,
     Lazy,
     ModelSpec,
+    OutputHead,
     PipelineSpec,
     cross_entropy,
     lazy,
@@ -72,6 +74,12 @@ def get_model_spec(kind: str) -> ModelSpec:
 def config_class(kind: str) -> type:
     """The `model:` section class of `kind` (ModelSpec.config); UnknownNameError names the nearest kind."""
     return get_model_spec(kind).config
+
+
+def loss_chunks(run: Any) -> int:
+    """train.loss_chunks as a run takes it (a trainer.manifest.Resolved's `loss_chunks`), or 1 for a kind whose
+    head cannot run apart from its body (ModelSpec.head None: validate refuses a number above 1, auto runs whole)."""
+    return run.loss_chunks if get_model_spec(run.manifest.model.kind).head is not None else 1
 
 
 def model_names() -> list[str]:

@@ -13,6 +13,7 @@ numbers `mantra plan` needs, its Hugging Face mapping, and what it supports
     parts.model.to_empty(device="cpu")
     spec.init_weights(parts.model, manifest.train.seed)
     loss = spec.loss(logits, targets)
+    h = spec.head.hidden(model, tokens); logits = spec.head.logits(model, h[:, :64])   # train.loss_chunks
 
 A kind's package names its torch code with `lazy("module:function")`, so importing the spec (what
 `mantra validate` does) imports no torch. This module imports nothing of the kinds, the manifest or the
@@ -74,6 +75,7 @@ def lazy(target: str) -> Lazy:
 
 
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.activation_checkpointing's values
+SELECTIVE_POLICIES = ("all-matmuls", "alternate-matmuls")  # train.selective_policy's values
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class Capabilities:
     naming the kind and the feature (trainer/manifest/rules/model.py). The defaults declare none of them:
     a kind says what its forward and its parallelize honour.
 
-    Two more are declared by the ModelSpec field that implements them, so each is said once: the pipeline
-    split (`ModelSpec.pipeline`; None: validate refuses parallel.pp > 1) and the Hugging Face mapping
+    Three more are declared by the ModelSpec field that implements them, so each is said once: the pipeline
+    split (`ModelSpec.pipeline`; None: validate refuses parallel.pp > 1), the output head run apart from the
+    body (`ModelSpec.head`; None: validate refuses train.loss_chunks > 1) and the Hugging Face mapping
     (`ModelSpec.hf`; None: `mantra export --to hf` says the kind has none)."""
 
     document_mask: bool = False  # its forward takes documents= and keeps attention in each (data.document_mask)
@@ -92,12 +95,39 @@ class Capabilities:
     compile: bool = False  # its parallelize compiles the blocks (train.compile)
     activation_checkpointing: tuple[str, ...] = ("none",)  # the train.activation_checkpointing modes it applies
     expert_parallel: bool = False  # it has experts to shard over parallel.ep > 1
+    # the train.selective_policy values its selective recompute honours (it hands the policy to
+    # trainer.parallel.recompute.apply_activation_checkpointing)
+    selective_policies: tuple[str, ...] = ("all-matmuls",)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.activation_checkpointing if m not in RECOMPUTE_MODES]
         if unknown:
             raise ValueError(f"Capabilities.activation_checkpointing: unknown mode {unknown[0]!r}; "
                              f"use some of {', '.join(RECOMPUTE_MODES)}")
+        unknown = [p for p in self.selective_policies if p not in SELECTIVE_POLICIES]
+        if unknown:
+            raise ValueError(f"Capabilities.selective_policies: unknown policy {unknown[0]!r}; "
+                             f"use some of {', '.join(SELECTIVE_POLICIES)}")
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """The kind's output head, run apart from the rest of its forward, so that the trainer can take the head's
+    matmul and the loss chunk by chunk over the sequence (train.loss_chunks, trainer/parallel/chunked_loss.py)
+    and the fp32 logits of a whole microbatch never exist at once.
+
+    hidden(module, *args, **kwargs): the forward of `module` (the model, or a pipeline's last stage module)
+        called with the arguments the trainer gives it, returning the head's input [B, S, dim] (the final
+        norm's output) instead of the logits; called as the module itself (hooks such as FSDP's run).
+    logits(module, h): the head alone on rows `h` [B, S', dim] of that input: the fp32 logits [B, S', V] the
+        forward would return for those tokens (under tensor parallel a DTensor sharded over the vocabulary,
+        as the forward returns it).
+
+    The kind's `loss` must be a mean over tokens of a per-token term (cross-entropy is), so that the loss of
+    the sequence is the token-weighted mean of its chunks' losses."""
+
+    hidden: Callable[..., Any]
+    logits: Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -195,9 +225,13 @@ class ModelSpec:
     plan: Callable[[ModelSection], Any] | None = None
     # The Hugging Face mapping (None: `mantra export --to hf` says the kind has none).
     hf: HFMapping | None = None
+    # Its output head run apart from the body, for train.loss_chunks (None: `mantra validate` refuses
+    # loss_chunks > 1 for the kind, and auto runs the loss whole).
+    head: OutputHead | None = None
     # Parameters one token runs through (an MoE's top-k experts, not all); default num_params. Torch-free.
     num_active_params: Callable[[ModelSection], int] | None = None
     # What it supports of the features that depend on the kind (document masks, context parallel, compile, the
-    # activation checkpointing modes, expert parallel); the pipeline split and the HF mapping are the fields
-    # `pipeline` and `hf` above. `mantra validate` refuses the rest at their manifest line.
+    # activation checkpointing modes and selective policies, expert parallel); the pipeline split, the output
+    # head and the HF mapping are the fields `pipeline`, `head` and `hf` above. `mantra validate` refuses the
+    # rest at their manifest line.
     capabilities: Capabilities = Capabilities()

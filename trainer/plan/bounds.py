@@ -14,12 +14,14 @@ memory  per pipeline rank, its parameters P (each block's elements at this tp an
         microbatch of its blocks' activations (activations.block_bytes per block, one chunk of them: any backward
         holds at least the microbatch it runs), whichever is more; post-validation's redo holds the parameters
         and optimizer states twice. A balanced split is bounded by both splits `balance` chooses between.
+        The base manifest's train.selective_policy and train.loss_chunks (auto: per cp, as the candidate runs
+        it) size the blocks, the head and the logits region, as they size the plan's.
 time    the busiest rank's compute (flops.stage_times: the microbatches' F + B + W of its stages, after the
         forwards that must reach its first stage and, without a split backward, before the backwards that must
         leave it) + tensor, context and expert parallel's exposed collectives (comm_time.py, the plan's own
         functions) + data parallel's exposed tail without its last bucket, against the most compute it could
         hide under + the optimizer step of the parameters it owns at least; the bubble beyond the first
-        forwards is left out.
+        forwards is left out. The stage times count alternate-matmuls' and a chunked loss's reruns as the plan's.
 
 Every layout the search evaluates checks its exact peak and step against them (evaluate.py): a bound above
 the plan is an error, never a silently missed layout.
@@ -32,6 +34,8 @@ from dataclasses import replace
 
 from trainer.manifest import Resolved
 from trainer.manifest.choices import OptimizerName
+from trainer.manifest.resolve import auto_loss_chunks
+from trainer.models import get_model_spec
 from trainer.parallel.pipeline.analysis.balance import nearest_splits, uniform
 from trainer.parallel.pipeline.schedules import SCHEDULES
 from trainer.parallel.pipeline.stages import StageLayout
@@ -76,6 +80,8 @@ class Bounds:
         self.grad_bytes = 2 if (self.bf16 and m.parallel.reduce_dtype.value == "bf16") else 4  # memory.Setup's
         self.rate = device.peak_tflops * 1e12 * calibration.efficiency * device.rank_share(self.world)
         self.e = 2 if self.bf16 else 4
+        self.policy = m.train.selective_policy.value  # the base's, as every candidate keeps it (evaluate.py)
+        self._chunks = m.train.loss_chunks if get_model_spec(m.model.kind).head is not None else 1
         self._ranks: dict[tuple, list[tuple[int, int, int]]] = {}
         self._pipes: dict[tuple, tuple] = {}
         self._splits: dict[tuple, tuple[tuple[int, ...], ...]] = {}
@@ -99,6 +105,12 @@ class Bounds:
                                                                     + self.pm.parts[2])
             out = self._states[key] = total / d.pp * (params + (adam if self.adamw else 0.0) + grads) * SLACK
         return out
+
+    def loss_chunks(self, d: Dials) -> int:
+        """train.loss_chunks as the candidate runs it (Resolved.loss_chunks: auto reads a cp rank's tokens)."""
+        if self._chunks == "auto":
+            return auto_loss_chunks(self.pm.vocab, self.pm.seq_len // d.cp)
+        return self._chunks
 
     def time(self, d: Dials) -> float:
         return min(self._time(d, counts) for counts in self.splits(d))
@@ -158,8 +170,9 @@ class Bounds:
         kept = not local and d.sharding in ("none", "zero1", "zero2")  # gradient buckets live through the step
         zero3 = not local and d.sharding == "zero3"
         block, wgrad, ws, head, logits = _activations(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.recompute, d.tp,
-                                                      d.sp and d.tp > 1)
-        loss_bytes, other = logits["loss"], logits["other"]
+                                                      d.sp and d.tp > 1, self.policy, self.loss_chunks(d))
+        # another loss microbatch holds its log-softmax, or once its B ran the logits' gradient its W waits for
+        loss_bytes, other = logits["loss"], min(logits["other"], logits["grad"])
         unit = 2 if self.bf16 else 4  # zero3's gathered parameters
         whole = zero3 and d.pp > 1  # zero3 under pp keeps its stages whole for the step
         # earlier microbatches' gradients, where they stay apart from the buckets: plain .grad (one rank), zero3's
@@ -227,12 +240,13 @@ class Bounds:
         ranks = self.ranks(d, counts)
         sp = d.sp and d.tp > 1
         zero3 = d.sharding == "zero3" and d.dp * d.cp > 1
-        remat = _remat(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.tp, sp)
+        remat = _remat(self.pm, self.bf16, zero3, d.cp, d.micro_batch, d.tp, sp, self.policy)
         layout = StageLayout(d.pp, d.virtual_stages, "v" if d.schedule == "zb-v" else "loop")
         return Shape(self.pm, self.world, d.tp, d.pp, d.virtual_stages, 1, 1, "none", d.schedule, d.microbatches,
                      d.micro_batch, d.recompute, self.bf16, 4, tuple(r[1] for r in ranks), (), 0.0, 0.0,
                      self.pm.flops_per_token, self.global_tokens, remat, counts,
-                     tuple(layout.rank_of(s) for s in range(layout.num_stages)), (), d.cp, d.cp_kind, d.ep)
+                     tuple(layout.rank_of(s) for s in range(layout.num_stages)), (), d.cp, d.cp_kind, d.ep,
+                     self.policy, self.loss_chunks(d))
 
 
 HELD_CAP = 2  # the in-flight bound reads the schedule at up to HELD_CAP·pp microbatches
@@ -294,24 +308,24 @@ def _last_rank(d: Dials) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _activations(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, recompute: str, tp: int,
-                 sp: bool) -> tuple[float, float, float, float, dict[str, float]]:
+def _activations(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, recompute: str, tp: int, sp: bool,
+                 policy: str, chunks: int) -> tuple[float, float, float, float, dict[str, float]]:
     """On one rank, per microbatch: a block's activations, what a block keeps for its W between B and W, what
     recomputing a block adds while its backward runs, the head's activations, and the logits region
-    (activations.logits_bytes)."""
+    (activations.logits_bytes), under selective recompute's `policy` and a loss in `chunks` chunks."""
     precision = act.Precision(bf16, fsdp_bf16=bf16 and zero3)
     local = pm.with_seq_len(pm.seq_len // cp)
-    block = act.block_bytes(local, micro_batch, recompute, precision, tp, sp)
+    block = act.block_bytes(local, micro_batch, recompute, precision, tp, sp, policy)
     wgrad = act.weight_grad_inputs(local, micro_batch, precision, tp, sp)
-    ws = act.working_set(local, micro_batch, recompute, precision, tp, sp)
-    head = act.on_rank(act.head_terms(local, micro_batch, precision), tp, sp)
-    return block, wgrad, ws, head, act.logits_bytes(local, micro_batch, tp, False)
+    ws = act.working_set(local, micro_batch, recompute, precision, tp, sp, policy)
+    head = act.on_rank(act.head_terms(local, micro_batch, precision, chunks > 1), tp, sp)
+    return block, wgrad, ws, head, act.logits_bytes(local, micro_batch, tp, False, chunks)
 
 
 @functools.lru_cache(maxsize=4096)
-def _remat(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, tp: int, sp: bool) -> float:
+def _remat(pm, bf16: bool, zero3: bool, cp: int, micro_batch: int, tp: int, sp: bool, policy: str) -> float:
     precision = act.Precision(bf16, fsdp_bf16=bf16 and zero3)
-    return act.working_set(pm.with_seq_len(pm.seq_len // cp), micro_batch, "selective", precision, tp, sp)
+    return act.working_set(pm.with_seq_len(pm.seq_len // cp), micro_batch, "selective", precision, tp, sp, policy)
 
 
 def _post_validated_by_default(d: Dials) -> bool:

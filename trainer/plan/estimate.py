@@ -25,6 +25,7 @@ from trainer.plan.moments import inflight, rank_moments, validation_held
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.efficiency import Calibration, default_calibration
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
+from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
 from trainer.plan.model import PlanModel
 from trainer.plan.shapes import local_numel, plan_buckets, rank_layers, stage_ranks
@@ -206,7 +207,8 @@ def setup_of(run: Resolved, device: Device, cut: Cut, r: int) -> memory.Setup:
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
         grad_bytes=2 if (cut.bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=validation_held(run)[r] if cut.moments[r] else 0.0, ep=cut.ep)
+        post_validated=p.post_validated, validation_held=validation_held(run)[r] if cut.moments[r] else 0.0, ep=cut.ep,
+        loss_chunks=loss_chunks(run), selective_policy=train.selective_policy.value)
 
 
 def row_of(run: Resolved, cut: Cut, r: int, s: memory.Setup) -> RankRow:
@@ -291,10 +293,10 @@ def assemble(run: Resolved, device: Device, rows: tuple[RankRow, ...], setups: t
     sp = p.sequence_parallel and p.tp > 1
     ranks = tuple(stage_ranks(p.pp, p.virtual_stages, p.schedule == Schedule.zb_v)) if p.pp > 1 else (0,)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
-    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp) for mode in ("none", "selective", "full")}
+    coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp, setups[0].selective_policy) for mode in ("none", "selective", "full")}
     counted = model_counts(run, pm, layers, bf16)
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "cp": p.cp, "ep": p.ep, "tp": p.tp,
-              "sequence_parallel": sp,
+              "sequence_parallel": sp, "selective_policy": train.selective_policy.value, "loss_chunks": setups[0].loss_chunks,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
               "post_validation": p.post_validated, "cp_kind": p.cp_kind.value if p.cp > 1 else None,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
@@ -341,12 +343,13 @@ def shape_of(run: Resolved, cut: Cut, setups: tuple[memory.Setup, ...], ranks: t
     else:
         share = 1 / max(pm.layers, 1)
     sp = p.sequence_parallel and p.tp > 1
-    remat = act.working_set(setups[0].model, run.batch.micro_batch, "selective", setups[0].precision, p.tp, sp)  # a cp rank's
+    s0 = setups[0]
+    remat = act.working_set(s0.model, run.batch.micro_batch, "selective", s0.precision, p.tp, sp, s0.selective_policy)  # a cp rank's
     return Shape(pm, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
                  cut.bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in cut.layers), stage_params,
                  owned, share, pm.flops_per_token, run.tokens_per_step, remat, tuple(cut.counts), ranks,
-                 schedule_options(run, cut.counts), p.cp, p.cp_kind.value, p.ep)
+                 schedule_options(run, cut.counts), p.cp, p.cp_kind.value, p.ep, s0.selective_policy, s0.loss_chunks)
 
 
 def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:

@@ -39,6 +39,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from trainer.plan import activations as act
 from trainer.plan.comm_time import (  # noqa: F401 (moe_all_to_all_bytes: read from here too)
     bandwidth,
     context_comm,
@@ -117,22 +118,30 @@ class PassFlops:
         return self.f + self.b + self.w
 
 
-def block_pass_flops(m: PlanModel, recompute: str = "none", split_backward: bool = False) -> PassFlops:
+def block_pass_flops(m: PlanModel, recompute: str = "none", split_backward: bool = False,
+                     policy: str = "all-matmuls") -> PassFlops:
     """One block, per token: 2 FLOPs per parameter + 4·h·s attention forward, the same for B and for W
     (forward 1/3, backward 2/3); full recompute runs the forward again inside B, and inside W as well
-    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py).
+    where the schedule splits them (zb-*: each pass recomputes its block, trainer/parallel/recompute.py);
+    selective with alternate-matmuls runs every other matmul of the forward again in each of them.
     Blocks that differ (an MoE's first dense layers) count as their mean."""
     fwd = block_forward_flops(m, 1) / m.layers
-    again = 2 if recompute == "full" else 1
-    return PassFlops(fwd, fwd * again, fwd * (again if split_backward else 1))
+    if recompute == "full":
+        again = fwd
+    else:
+        again = act.recomputed_matmul_flops(m, policy) if recompute == "selective" else 0.0
+    return PassFlops(fwd, fwd + again, fwd + (again if split_backward else 0.0))
 
 
-def head_pass_flops(m: PlanModel) -> PassFlops:
+def head_pass_flops(m: PlanModel, chunked: bool = False, split_backward: bool = False) -> PassFlops:
     """The last stage's extra work, per token: the output head's matmul (2·h·V per pass) and the loss
-    (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out."""
+    (LOSS_FLOPS_PER_LOGIT · V, forward and input gradient). The final RMSNorm (~4·h) is left out. A chunked
+    loss (train.loss_chunks) runs the head's matmul and the loss's forward again in the backward, in B and,
+    where the schedule splits them, in W."""
     mm = head_forward_flops(m, 1)
     fwd, bwd = LOSS_FLOPS_PER_LOGIT
-    return PassFlops(mm + fwd * m.vocab, mm + bwd * m.vocab, mm)
+    again = mm + fwd * m.vocab if chunked else 0.0
+    return PassFlops(mm + fwd * m.vocab, mm + bwd * m.vocab + again, mm + (again if split_backward else 0.0))
 
 
 @dataclass(frozen=True)
@@ -179,7 +188,8 @@ def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float]
     m = x.model
     mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
     counts = x.stage_layers or (m.layers,)
-    blk, head = block_pass_flops(m, x.recompute, split), head_pass_flops(m)
+    blk = block_pass_flops(m, x.recompute, split, x.selective_policy)
+    head = head_pass_flops(m, x.loss_chunks > 1, split)
     last = len(counts) - 1
     share = tp_share(m, x.tp)
 
@@ -322,6 +332,10 @@ def predict(x: Shape, device, efficiency: float | None = None, overhead: float =
     model = x.flops_per_token * x.global_tokens
     split = x.pp > 1 and _split_backward(x.schedule)  # B and W each recompute a checkpointed block
     hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
+    # alternate-matmuls' recomputed matmuls and a chunked loss's head, run again in B (and in W when split)
+    reruns = m.layers * act.recomputed_matmul_flops(m, x.selective_policy) if x.recompute == "selective" else 0.0
+    reruns += head_forward_flops(m, 1) + LOSS_FLOPS_PER_LOGIT[0] * m.vocab if x.loss_chunks > 1 else 0.0
+    hardware += x.global_tokens * reruns * (2 if split else 1)
     return Timing(model, hardware, pipe.compute, pipe.bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
                   model / (step * device.peak_tflops * 1e12 * x.world), eff, pipe.bubble_rate, pipe.stage_s, pipe.rank_s,
                   cp_s, cp_bytes, pipe.sim_args, ep_s, ep_bytes, overhead)

@@ -36,12 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.plan import activations as act
-from trainer.plan.model_states import Moment, Setup, local_elements, states
+from trainer.plan.model_states import Moment, Setup, local_elements, moments_of, states
 from trainer.plan.shapes import fsdp_numel, local_numel
 
 MAX_IN_FLIGHT = 2  # trainer.parallel.data.buckets.MAX_IN_FLIGHT: reduce-scatters holding temporaries
 
-__all__ = ["MAX_IN_FLIGHT", "Moment", "Point", "Setup", "moments_without_pipeline", "peak", "points"]
+__all__ = ["MAX_IN_FLIGHT", "Moment", "Point", "Setup", "moments_of", "moments_without_pipeline", "peak", "points"]
 
 
 def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
@@ -86,19 +86,24 @@ def _sizes(s: Setup) -> dict[str, float]:
     g = s.grad_bytes if s.whole_step else 4
     # autocast's bf16 weight copies, saved by the matmuls: the head's, and the blocks' unless a checkpoint
     # drops them (recompute casts again in the backward); one set per microbatch in flight
+    # (a chunked loss's checkpoints drop the head's copy: it is cast again per chunk, one at a time)
+    chunked = s.loss_chunks > 1
     matrices = sum(local_numel(q, s.tp, s.ep) for q in s.params if q.is_matrix and q.part != "embed"
-                   and (q.part == "head" or s.recompute == "none"))
+                   and ((q.part == "head" and not chunked) or (q.part == "block" and s.recompute == "none")))
+    policy = s.selective_policy
     return st | {
-        "block": act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "block": act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp, policy),
         "wgrad": act.weight_grad_inputs(pm, s.micro_batch, p, s.tp, s.sp),
-        "head_per": act.on_rank(act.head_terms(pm, s.micro_batch, p), s.tp, s.sp) if s.last else 0.0,
-        "ws": act.working_set(pm, s.micro_batch, s.recompute, p, s.tp, s.sp),
+        "head_per": act.on_rank(act.head_terms(pm, s.micro_batch, p, chunked), s.tp, s.sp) if s.last else 0.0,
+        "ws": act.working_set(pm, s.micro_batch, s.recompute, p, s.tp, s.sp, policy),
         "casts": 2 * matrices if p.casts else 0.0,
+        "head_cast": 2 * pm.vocab * pm.dim / s.tp if (p.casts and chunked and s.last) else 0.0,
         "full_grads": g * local_elements(s, lambda q: True),
         "u_blk": unit * sum(local_numel(q, s.tp, s.ep) for q in per_block) if zero3 else 0.0,
         "ag_blk": unit * sum(fsdp_numel(q, s.tp, s.dp_shard, s.ep)[1] for q in per_block) if zero3 else 0.0,
         "u_root": unit * sum(local_numel(q, s.tp, s.ep) for q in s.params if q.layer is None) if zero3 else 0.0,
         "g_blk": g * sum(local_numel(q, s.tp, s.ep) for q in per_block),
+        "g_one": g * max((local_numel(q, s.tp, s.ep) for q in per_block), default=0),
         "cp_bwd": _context_buffers(s),
     }
 
@@ -132,12 +137,15 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     acts = s.layers * (m.held * z["block"] + m.pending_w * pending) + max(outputs, 0.0)
     head_per = z["head_per"]
     head = head_per * m.head
-    lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits)
+    lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits, s.loss_chunks)
     n_others = max(m.head - 1, 0) if m.at_loss else m.head  # other microbatches the last stage holds
-    # their saved log-softmax, and the logits' gradient of each microbatch whose weight-gradient pass waits
-    others = lg["other"] * n_others + lg["grad"] * m.pending_w if s.last else 0.0
+    # their saved log-softmax, or once their B ran (its loss backward freed it), the logits' gradient their W waits
+    # for (every pending W of a last stage's rank is the last stage's: a first stage's B does nothing)
+    waiting = min(m.pending_w * s.chunks, n_others) if s.last else 0.0
+    others = lg["other"] * (n_others - waiting) + lg["grad"] * waiting if s.last else 0.0
     autocast = z["casts"] * max(1.0, m.held + m.pending_w)
     other = st["rope"] + st["tokens"] + st["doc_mask"]  # (document_mask runs without pp: one microbatch held)
+    other += m.sent * 4 * sbh / (s.tp if s.sp else 1) if s.gloo else 0.0  # fp32 sends kept to the step's end
     g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
     if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)
@@ -146,24 +154,31 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
     # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
     u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
     out = []
-    if s.last and m.at_loss:
+    if s.last and m.at_loss and s.loss_chunks > 1:
+        out += _chunked_loss_points(s, z, base, g_before, acts + head, others, lg, other + autocast, m.split)
+    elif s.last and m.at_loss:
         out.append(Point("loss backward", grads=g_before, activations=acts + head, logits=others + lg["loss"],
                          buffers=other + autocast, **base))
         out.append(Point("head backward", grads=g_before + head_w, activations=acts + head, logits=others + lg["head_bwd"],
                          buffers=other + autocast + 4 * sbh + u_root + ag_blk, **base))
-        if s.mode == "zero2":  # its hook opens the first bucket; the logits' gradient is gone by then
-            out.append(Point("first gradient bucket", grads=g_before + head_w, activations=acts + head,
-                             logits=others + lg["after"], buffers=other + autocast + 4 * sbh + st["bucket"], **base))
+    if s.last and m.at_loss and s.mode == "zero2":  # its hook opens the first bucket; the logits' gradient is gone by then
+        out.append(Point("first gradient bucket", grads=g_before + head_w, activations=acts + head,
+                         logits=others + lg["after"], buffers=other + autocast + 4 * sbh + st["bucket"], **base))
     if s.layers:
         ws = z["ws"]
         tmp = 4 * sbh + 2 * e * pm.seq_len * s.micro_batch * pm.mlp_width / s.tp  # gradients flowing through the block
         # this block's new gradients; the head's stay too where nothing takes them away before the step (a first
         # microbatch's .grad, zero3's root unit, reduced only after the embedding at the end of the backward)
-        new = g_blk + (head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0)
+        # (one rank's plain .grads, once they exist, take each new gradient in place: one parameter's at a time)
+        new = z["g_one"] if m.warm and s.mode == "local" else g_blk
+        new += head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0
         extra = {"zero2": st.get("bucket", 0.0), "zero3": u_root + u_blk + ag_blk}.get(s.mode, 0.0)
         left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
+        # context parallel's attention buffers come once the MLP's backward (and its gradients, tmp) is done:
+        # the block's backward peaks in its MLP half (at ffn_norm's backward, measured) or in its attention half
+        flowing = max(tmp, 4 * sbh + z["cp_bwd"])
         out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
-                         logits=left, buffers=other + autocast + extra + tmp + z["cp_bwd"], **base))
+                         logits=left, buffers=other + autocast + extra + flowing, **base))
         if m.split:  # the end of this microbatch's B on the rank: its own W inputs (and logits' gradient) now wait too
             own = s.layers * pending / s.chunks
             # B's last RMSNorm backward (measured on one block: its peak is 4 fp32 [s, b, h] above the saved W
@@ -171,11 +186,36 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
             norm_bwd = 4 * 4 * sbh / (s.tp if s.sp else 1)
             rerun = z["ws"] if s.recompute == "full" else 0.0  # W's recompute of a block under full recompute
             out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + rerun + head_per * n_others + head,
-                             logits=others + (lg["grad"] if s.last and m.at_loss else 0.0), buffers=other + autocast + norm_bwd,
+                             logits=others + (lg["grad"] + lg["b_loss"] if s.last and m.at_loss else 0.0),
+                             buffers=other + autocast + norm_bwd,
                              **base))
         if s.mode == "zero3" and not s.whole_step:
             out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + tmp)
     return out
+
+
+def _chunked_loss_points(s: Setup, z: dict[str, float], base: dict, g_before: float, acts: float, others: float,
+                         lg: dict[str, float], other: float, split: bool) -> list[Point]:
+    """The loss backward of a chunked loss (trainer/parallel/chunked_loss.py), one chunk at a time: its logits
+    recomputed and their log-softmax and gradients (lg["loss"], one chunk's), with the head's weight gradient
+    summed so far over the earlier chunks; and the sum itself as the second chunk's arrives (autograd adds the
+    first chunk's transposed gradient out of place: three of them at once, the later ones in place). The head's
+    input gradient gathers chunk by chunk (up to 4·sbh), and under autocast the chunk's bf16 copy of the head's
+    weight; zero3 keeps its root unit and the first block gathered for the backward. A split backward's B keeps
+    each chunk's logits' gradient for W instead (up to lg["grad"]), and its W sums the weight's gradients."""
+    pm = s.model
+    # the head's (or the tied) weight's gradient as autograd sums it: in the dtype the matmul saw the weight in,
+    # bf16 where zero3 gathers bf16 parameters (autocast's bf16 copy hands fp32 gradients back to its fp32 weight)
+    wgrad = (2 if s.precision.fsdp_bf16 else 4) * pm.vocab * pm.dim / s.tp
+    dh = 4 * pm.seq_len * s.micro_batch * pm.dim
+    held = other + dh + z["head_cast"] + (z["u_root"] + z["ag_blk"] if s.mode == "zero3" else 0.0)
+    if split:
+        return [Point("loss backward", grads=g_before, activations=acts, logits=others + lg["loss"] + lg["grad"],
+                      buffers=held, **base),
+                Point("weight-gradient pass", grads=g_before + 3 * wgrad, activations=acts, logits=others + lg["grad"],
+                      buffers=held, **base)]
+    return [Point("loss backward", grads=g_before + wgrad, activations=acts, logits=others + lg["loss"], buffers=held, **base),
+            Point("head backward", grads=g_before + 3 * wgrad, activations=acts, logits=others, buffers=held, **base)]
 
 
 def _zero3_block_points(s: Setup, z: dict[str, float], m: Moment, base: dict, acts: float, new: float, g_before: float,
@@ -236,7 +276,8 @@ def _rollback_redo(s: Setup, st: dict[str, float], other: float) -> Point:
     sbh = pm.seq_len * s.micro_batch * pm.dim
     forwards = s.validation_held * s.chunks  # first-chunk forwards before the point, each 1/chunks of the blocks
     outputs = forwards * p.r * sbh / (s.tp if s.sp else 1)  # each one's output, kept for its backward
-    acts = s.layers * s.validation_held * act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp) + outputs
+    acts = s.layers * s.validation_held * act.block_bytes(pm, s.micro_batch, s.recompute, p, s.tp, s.sp,
+                                                          s.selective_policy) + outputs
     return Point("post-validation redo", params=2 * st["params"], optimizer=2 * st["optimizer"],
                  grads=st["grad_step"], activations=acts, logits=0.0,
                  buffers=other + max(st["opt_temp"], _all_gather_buffers(s, st)))
@@ -249,7 +290,8 @@ def _first_reduce_scatter(s: Setup, st: dict[str, float], base: dict, other: flo
     copies its input for the length of the collective) are alive with the persistent gradients."""
     first, shards = st["first_bucket"], s.dp_shard
     grads = st["grad_persistent"] + first / shards + (first if s.mode == "zero2" else 0.0) + st["completing_grad"]
-    acts = st["blocks_after_first_bucket"] * act.block_bytes(s.model, s.micro_batch, s.recompute, s.precision, s.tp, s.sp)
+    acts = st["blocks_after_first_bucket"] * act.block_bytes(s.model, s.micro_batch, s.recompute, s.precision, s.tp, s.sp,
+                                                             s.selective_policy)
     return Point("gradient reduce-scatter", grads=grads, activations=acts, logits=0.0,
                  buffers=other + (first if s.gloo else 0.0), **base)
 

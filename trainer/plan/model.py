@@ -56,12 +56,14 @@ class Param:
 @dataclass(frozen=True)
 class MoE:
     """A block whose MLP is `experts` routed experts of hidden size `ffn_dim`, `top_k` of them per token,
-    plus `shared` experts (of the same size) every token runs through."""
+    plus `shared` experts (of the same size) every token runs through; `capacity_factor`: each expert keeps at
+    most ceil(capacity_factor · tokens · top_k / experts) (token, slot) rows (None: dropless)."""
 
     experts: int
     ffn_dim: int
     top_k: int
     shared: int = 0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.experts:

@@ -22,7 +22,7 @@ decayed parameters (√v); the fused CUDA kernel none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.plan import activations as act
 from trainer.plan.model import Param
@@ -56,6 +56,42 @@ class Moment:
     head: int = 0  # microbatches whose loss activations the last stage holds (this one included)
     at_loss: bool = True  # this backward starts at the loss (on the last stage)
     split: bool = False  # an input-gradient pass (B) whose weight-gradient pass (W) runs later: its graph stays
+    sent: int = 0  # tensors this step sent to other ranks that outlive their graphs (gloo keeps them to the step's end)
+
+
+def moments_of(actions, layout, rank: int) -> tuple[Moment, ...]:
+    """The distinct states in which a backward starts on pipeline rank `rank`, read off its compute actions (in
+    order) on `layout` (a trainer.parallel.pipeline StageLayout); of states alike but for `sent`, the latest.
+
+    A first stage's B does nothing (its input is token ids) and its W is its whole backward
+    (trainer/parallel/pipeline/backward.py). The executor keeps every tensor it sends until the step ends on gloo
+    (executor.py waits for its sends there): each input gradient sent back, and each output sent on once its
+    microbatch's backward is done (before, the output is the held microbatch's, counted with its activations)."""
+    from trainer.parallel.pipeline import Kind
+
+    last, v = layout.num_stages - 1, layout.virtual_stages
+    held = pending = head = sent = 0
+    warm, latest, sends_on = False, {}, set()
+    for a in actions:
+        s = a.stage
+        if a.kind == Kind.F:
+            held, head = held + 1, head + (s == last)
+            if s != last and layout.rank_of(s + 1) != rank:
+                sends_on.add((s, a.microbatch))
+            continue
+        if a.kind == Kind.B and s == 0:
+            continue
+        if a.kind != Kind.W or s == 0:
+            latest[Moment(held / v, pending / v, warm, head, s == last, split=a.kind == Kind.B)] = sent
+        sent += a.kind != Kind.W and s > 0 and layout.rank_of(s - 1) != rank  # the input gradient sent back
+        if a.kind == Kind.B:
+            pending += 1
+            continue
+        pending -= a.kind == Kind.W and s != 0
+        held, warm, head = held - 1, True, head - (s == last)
+        sent += (s, a.microbatch) in sends_on
+    moments = [replace(m, sent=n) for m, n in latest.items()]
+    return tuple(sorted(moments, key=lambda m: (m.held, m.pending_w, m.warm, m.head, m.at_loss, m.split, m.sent)))
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,8 @@ class Setup:
     post_validated: bool = False  # parallel.post_validation: a snapshot and the kept gradients into the next step
     validation_held: float = 0.0  # microbatches of activations (rank-block units) held at the validation point
     ep: int = 1  # expert parallel: a routed expert's weights (Param.ep_dim) are cut in ep (1 until parallel.ep exists)
+    loss_chunks: int = 1  # train.loss_chunks as the kind runs it: the head and the loss chunk by chunk
+    selective_policy: str = "all-matmuls"  # train.selective_policy: which matmul outputs selective recompute keeps
 
     @property
     def mode(self) -> str:

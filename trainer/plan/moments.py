@@ -27,41 +27,61 @@ def rank_moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
 @functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
 def schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
                      options: tuple = ()) -> tuple[tuple[memory.Moment, ...], ...]:
-    """Per pipeline rank, the distinct memory.Moments of a step, from `states_at_backwards`."""
-    return tuple(tuple(memory.Moment(h / v, p / v, w, hd, at_loss, split=s) for h, p, w, hd, at_loss, s in rank)
-                 for rank in states_at_backwards(schedule, pp, microbatches, v, options))
+    """Per pipeline rank, the distinct memory.Moments of a step, from `backward_states`."""
+    return tuple(tuple(memory.Moment(h / v, p / v, w, hd, at_loss, split=s, sent=n) for h, p, w, hd, at_loss, s, n in rank)
+                 for rank in backward_states(schedule, pp, microbatches, v, options))
 
 
 @functools.lru_cache(maxsize=512)
 def states_at_backwards(schedule: str, pp: int, microbatches: int, v: int,
                         options: tuple = ()) -> tuple[tuple[tuple[int, int, bool, int, bool, bool], ...], ...]:
-    """Per pipeline rank, the distinct states in which a backward (B or BW) starts, in chunk-microbatches:
-    (activations held, microbatches waiting for their W, whether earlier gradients exist, loss microbatches the
-    last stage holds, whether it starts at the loss, whether it is a B whose W comes later), sorted."""
-    from trainer.parallel.pipeline import Kind
-    from trainer.plan.schedule import lists
+    """`backward_states` without the sends kept (what the search's memory bound reads: sends only add)."""
+    return tuple(tuple(state[:6] for state in rank) for rank in backward_states(schedule, pp, microbatches, v, options))
 
-    last = pp * v - 1
-    forward, backward, split, weight = Kind.F, Kind.BW, Kind.B, Kind.W
+
+@functools.lru_cache(maxsize=512)
+def backward_states(schedule: str, pp: int, microbatches: int, v: int,
+                    options: tuple = ()) -> tuple[tuple[tuple[int, int, bool, int, bool, bool, int], ...], ...]:
+    """Per pipeline rank, the distinct states in which a backward starts, in chunk-microbatches: (activations
+    held, microbatches waiting for their W, whether earlier gradients exist, loss microbatches the last stage
+    holds, whether it starts at the loss, whether it is a B whose W comes later, tensors sent that outlive
+    their graphs), sorted; of states alike but for the sends, the latest (model_states.moments_of's walk).
+
+    A first stage's B does nothing (its input is token ids) and its W is its whole backward
+    (trainer/parallel/pipeline/backward.py). On gloo the executor keeps every tensor it sends until the step
+    ends: each input gradient sent back, and each output sent on once its microbatch's backward is done."""
+    from trainer.parallel.pipeline import Kind
+    from trainer.plan.schedule import layout, lists
+
+    stages = layout(schedule, pp, v)
+    last = stages.num_stages - 1
+    rank_of = [stages.rank_of(s) for s in range(stages.num_stages)]
+    forward, split, weight = Kind.F, Kind.B, Kind.W
     out = []
-    for actions in lists(schedule, pp, microbatches, v, options):
-        held = pending = head = 0
-        warm, seen = False, set()
+    for rank, actions in enumerate(lists(schedule, pp, microbatches, v, options)):
+        held = pending = head = sent = 0
+        warm, latest, sends_on = False, {}, set()
         for a in actions:
-            kind = a.kind
+            kind, s = a.kind, a.stage
             if kind is forward:
                 held += 1
-                head += a.stage == last
+                head += s == last
+                if s != last and rank_of[s + 1] != rank:
+                    sends_on.add((s, a.microbatch))
                 continue
-            if kind is split or kind is backward:
-                seen.add((held, pending, warm, head, a.stage == last, kind is split))
+            if kind is split and s == 0:
+                continue
+            if kind is not weight or s == 0:
+                latest[(held, pending, warm, head, s == last, kind is split)] = sent
+            sent += kind is not weight and s > 0 and rank_of[s - 1] != rank  # the input gradient sent back
             if kind is split:
                 pending += 1
                 continue
-            pending -= kind is weight
+            pending -= kind is weight and s != 0
             held, warm = held - 1, True
-            head -= a.stage == last
-        out.append(tuple(sorted(seen)))
+            head -= s == last
+            sent += (s, a.microbatch) in sends_on
+        out.append(tuple(sorted(state + (n,) for state, n in latest.items())))
     return tuple(out)
 
 

@@ -123,7 +123,8 @@ class Space:
                 self.rejected["batch"] += 1
                 continue
             dp = self.gpus // (tp * cp * pp)
-            if (refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, "none"))
+            if (refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, "none",
+                                            m.train.selective_policy.value))
                     or refused(document_mask_of(m.data.document_mask, cp, pp))):
                 self.rejected["pp"] += 1
                 continue
@@ -201,7 +202,8 @@ class Space:
         if "microbatches" in self.pins:
             natural = [per_rank // self.pins["microbatches"]] if per_rank % self.pins["microbatches"] == 0 else []
         modes = [rc for rc in self._domain("recompute", list(RECOMPUTE))
-                 if not refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, rc))]
+                 if not refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, rc,
+                                                m.train.selective_policy.value))]
         for mb in self._domain("micro_batch", natural):
             if per_rank % mb:
                 self.rejected["batch"] += 1

@@ -44,3 +44,5 @@ class Shape:
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
     cp_kind: str = "ulysses"
     ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back
+    selective_policy: str = "all-matmuls"  # train.selective_policy: alternate-matmuls recomputes every other matmul
+    loss_chunks: int = 1  # train.loss_chunks: > 1 runs the head's matmul again in the backward

@@ -17,7 +17,7 @@ supports by its capabilities (model.py).
     pipeline.py   the stage split and the schedule
     model.py      the model kind: its checks, its capabilities, what is not supported yet, torch
     data.py       the data section and its files
-    train.py      the learning-rate schedule and the validation cadence
+    train.py      the learning-rate schedule, the validation cadence, the selective policy
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from trainer.manifest.rules.pipeline import (
     schedule_shape,
     schedule_size,
 )
-from trainer.manifest.rules.train import optimizer_schedule, validation
+from trainer.manifest.rules.train import optimizer_schedule, selective_policy, validation
 from trainer.manifest.schema import Manifest
 from trainer.manifest.source import SourceTree
 
@@ -65,6 +65,7 @@ RULES: tuple[Rule, ...] = (
     expert_parallel_degree,
     sharding_degree,
     optimizer_schedule,
+    selective_policy,
     model_plugin,
     model_capabilities,
     data_source,

@@ -42,19 +42,22 @@ def model_plugin(m: Manifest) -> Iterator[Finding]:
 
 def model_capabilities(m: Manifest) -> Iterator[Finding]:
     """What the manifest asks of its model kind that the kind does not declare: a document mask, context
-    parallel, compile, an activation checkpointing mode (ModelSpec.capabilities), a pipeline split
-    (ModelSpec.pipeline). Expert parallel: parallel.expert_parallel_degree."""
+    parallel, compile, an activation checkpointing mode or selective policy (ModelSpec.capabilities), a
+    pipeline split (ModelSpec.pipeline), a chunked loss (ModelSpec.head). Expert parallel:
+    parallel.expert_parallel_degree."""
     spec = spec_of(m)
     if spec is None:
         return
     p, train = m.parallel, m.train
     yield from capabilities_of(spec, m.model.kind, m.data.document_mask, p.cp, p.pp, train.compile,
-                               train.activation_checkpointing.value)
+                               train.activation_checkpointing.value, train.selective_policy.value)
+    yield from _loss_chunks(m, spec)
 
 
 def capabilities_of(spec: ModelSpec, kind: str, document_mask: bool, cp: int, pp: int, compile: bool,
-                    mode: str) -> Iterator[Finding]:
-    """model_capabilities on plain values (`mode`: the activation checkpointing mode)."""
+                    mode: str, policy: str) -> Iterator[Finding]:
+    """model_capabilities on plain values but for the chunked loss (`mode`: the activation checkpointing mode,
+    `policy`: the selective policy)."""
     can = spec.capabilities
     lacks = f"model.kind {kind} does not support"
     if document_mask and not can.document_mask:
@@ -69,6 +72,22 @@ def capabilities_of(spec: ModelSpec, kind: str, document_mask: bool, cp: int, pp
     if mode not in can.activation_checkpointing:
         yield Finding("train.activation_checkpointing", f"{lacks} {mode} activation checkpointing; use "
                       f"{' or '.join(can.activation_checkpointing)}, or a kind that does")
+    if mode == "selective" and mode in can.activation_checkpointing and policy not in can.selective_policies:
+        yield Finding("train.selective_policy", f"{lacks} the {policy} selective policy; use "
+                      f"{' or '.join(can.selective_policies)}, or a kind that does")
+
+
+def _loss_chunks(m: Manifest, spec: ModelSpec) -> Iterator[Finding]:
+    """train.loss_chunks needs the kind's head run apart from its body (ModelSpec.head)."""
+    chunks = m.train.loss_chunks
+    if spec.head is not None or chunks == 1:
+        return
+    if chunks == "auto":
+        yield Finding("train.loss_chunks", f"model.kind {m.model.kind} cannot run its output head apart (its "
+                      "ModelSpec.head is None): auto takes the loss whole; set 1 to say so", "warning")
+    else:
+        yield Finding("train.loss_chunks", f"model.kind {m.model.kind} does not support a chunked loss (its "
+                      "ModelSpec.head is None); set loss_chunks: 1 or use a kind that does")
 
 
 def torch_supports_features(m: Manifest) -> Iterator[Finding]:

@@ -1,4 +1,5 @@
-"""Rules of the train and optimizer sections: the learning-rate schedule and the validation cadence."""
+"""Rules of the train and optimizer sections: the learning-rate schedule, the validation cadence and the
+settings that only act together with another (selective_policy with selective recompute)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def validation(m: Manifest) -> Iterator[Finding]:
     elif m.data.valid and m.train.eval_every > m.train.steps:
         yield Finding("train.eval_every", f"{m.train.eval_every} exceeds train.steps {m.train.steps}: validation runs at "
                       "the last step only", "warning")
+
+
+def selective_policy(m: Manifest) -> Iterator[Finding]:
+    t = m.train
+    if t.selective_policy.value != "all-matmuls" and t.activation_checkpointing.value != "selective":
+        yield Finding("train.selective_policy", f"{t.selective_policy.value} has no effect with activation_checkpointing: "
+                      f"{t.activation_checkpointing.value}; set activation_checkpointing: selective, or drop the policy",
+                      "warning")

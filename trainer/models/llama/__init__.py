@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from trainer.models.llama import config, hf
 from trainer.models.llama.config import LlamaConfig
-from trainer.models.spec import Capabilities, HFMapping, ModelSpec, PipelineSpec, lazy
+from trainer.models.spec import Capabilities, HFMapping, ModelSpec, OutputHead, PipelineSpec, lazy
 
 
 def activation_shape(cfg: LlamaConfig, micro_batch: int, seq_len: int, tp: int,
@@ -17,6 +17,17 @@ def activation_shape(cfg: LlamaConfig, micro_batch: int, seq_len: int, tp: int,
     return (micro_batch, seq_len // tp if sequence_parallel else seq_len, cfg.dim)
 
 
+def head_input(module, *args, **kwargs):
+    """The forward of the model or of a last pipeline stage up to the head's input (the final norm's output)."""
+    return module(*args, logits=False, **kwargs)
+
+
+def head_logits(module, h):
+    """The output head alone (a tied head multiplies by the embedding): fp32 logits of the rows `h`."""
+    return module.project(h)
+
+
+HEAD = OutputHead(hidden=head_input, logits=head_logits)
 PIPELINE = PipelineSpec(keep_stages=lazy("trainer.models.llama.pipeline:keep_stages"), activation_shape=activation_shape)
 
 SPEC = ModelSpec(
@@ -34,6 +45,8 @@ SPEC = ModelSpec(
     pipeline=PIPELINE,
     plan=lazy("trainer.models.llama.plan:plan_model"),  # imported on use: validate loads no planner
     hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
+    head=HEAD,
     capabilities=Capabilities(document_mask=True, context_parallel=True, compile=True,
-                              activation_checkpointing=("none", "full", "selective")),
+                              activation_checkpointing=("none", "full", "selective"),
+                              selective_policies=("all-matmuls", "alternate-matmuls")),
 )

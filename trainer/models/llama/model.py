@@ -174,17 +174,23 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, *, logits: bool = True) -> torch.Tensor:
         """tokens [B, S] (S <= seq_len) -> logits [B, S, vocab] in fp32. `positions` [S]: the
         sequence positions of the tokens when they are not 0..S-1 (a context-parallel rank's slice).
         `documents` [B, S] (data.document_mask): attention stays within each token's document; RoPE
-        positions keep running across documents (as Llama 3's pretraining: RoPE sees only offsets)."""
+        positions keep running across documents (as Llama 3's pretraining: RoPE sees only offsets).
+        `logits=False`: the head's input instead, the final norm's output [B, S, dim] (`project` makes
+        the logits of any rows of it: train.loss_chunks)."""
         cos, sin = rope_at(self, tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
         mask = None if documents is None else document_mask(documents.to(tokens.device), attention_dtype(h))
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         h = self.norm(h)
+        return self.project(h) if logits else h
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head alone: fp32 logits [B, S', vocab] of rows h [B, S', dim] of the final norm's output."""
         return head(self, h).float()
 
 

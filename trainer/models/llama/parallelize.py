@@ -45,7 +45,8 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         from trainer.models.llama.pipeline import split_model
 
         split_model(model, split, mesh["pp"].get_local_rank())
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run),
+                                   train.selective_policy.value)
     if train.compile:
         apply_compile(model.layers)
     parts = ModelParts(model)
@@ -60,7 +61,17 @@ def parallelize_llama(model: torch.nn.Module, run: Resolved, mesh: DeviceMesh | 
         roots = list(parts.stages.values()) if parts.stages is not None else [model]
         apply_fsdp(model.layers.values(), roots, mesh.fsdp_mesh(), param_dtype=compute_dtype(run, device),
                    reduce_dtype=reduce_dtype(run), reshard_after_forward=parts.stages is None)
+        keep_roots_gathered_for_the_head(roots, run)
     return parts
+
+
+def keep_roots_gathered_for_the_head(roots: list, run: Resolved) -> None:
+    """train.loss_chunks > 1: the head runs chunk by chunk after the root's forward has returned (the trainer's
+    chunked loss, ModelSpec.head), so the FSDP root (embedding, final norm, head) keeps its parameters gathered
+    from its forward to its backward instead of resharding in between (the backward gathers them anyway)."""
+    if run.loss_chunks > 1:  # (this kind has a head: ModelSpec.head)
+        for root in roots:
+            root.set_reshard_after_forward(False, recurse=False)
 
 
 def backward_passes(run: Resolved) -> int:

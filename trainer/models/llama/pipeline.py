@@ -68,8 +68,9 @@ class StageModule(nn.Module):
         self.tied_embedding = model.tok_embeddings if self.is_last and isinstance(self.output, TiedHead) else None
         self._root = [model]  # a list: not registered as a submodule
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 0 takes tokens [B, S]; others the hidden state. The last returns fp32 logits.
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, logits: bool = True) -> torch.Tensor:
+        """Stage 0 takes tokens [B, S]; others the hidden state. The last returns fp32 logits, or with
+        `logits=False` the head's input (the final norm's output; `project` makes the logits of any rows).
         `positions` [S]: the tokens' RoPE positions when they are not 0..S-1 (a context-parallel
         rank's slice of the sequence); every stage of a microbatch is called with the same."""
         root = self._root[0]
@@ -81,6 +82,10 @@ class StageModule(nn.Module):
         if not self.is_last:
             return h
         h = self.norm(h)
+        return self.project(h) if logits else h
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's output head alone: fp32 logits of rows h [B, S', dim] of the final norm's output."""
         if self.tied_embedding is not None:
             return self.output(h, self.tied_embedding.weight).float()
         return self.output(h).float()

@@ -9,7 +9,7 @@ a model is built, through the spec's `lazy` functions. MFU and tokens/s count th
 
 from __future__ import annotations
 
-from trainer.models.llama import PIPELINE
+from trainer.models.llama import HEAD, PIPELINE
 from trainer.models.moe import config, hf
 from trainer.models.moe.config import METRIC_KEYS, MoEConfig
 from trainer.models.spec import Capabilities, HFMapping, ModelSpec, lazy
@@ -31,8 +31,10 @@ SPEC = ModelSpec(
     metric_keys=METRIC_KEYS,
     after_step=lazy("trainer.models.moe.stats:after_step"),
     pipeline=PIPELINE,  # the Llama's cut: the same attributes
+    head=HEAD,  # the Llama's head and forward (MoETransformer derives from it)
     plan=lazy("trainer.models.moe.plan:plan_model"),
     hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
     capabilities=Capabilities(document_mask=True, context_parallel=True, compile=True,
-                              activation_checkpointing=("none", "full", "selective"), expert_parallel=True),
+                              activation_checkpointing=("none", "full", "selective"), expert_parallel=True,
+                              selective_policies=("all-matmuls", "alternate-matmuls")),
 )

@@ -27,6 +27,7 @@ from trainer.models.llama.parallelize import (
     attention_plan,
     backward_passes,
     dense_mlp_plan,
+    keep_roots_gathered_for_the_head,
 )
 from trainer.models.moe.model import RoutedFeedForward, routed_layers
 from trainer.parallel.compile import apply_compile
@@ -58,7 +59,8 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
         split_model(model, split, mesh["pp"].get_local_rank())
     if train.compile:
         apply_compile(compilable_parts(model))
-    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run))
+    apply_activation_checkpointing(model.layers, train.activation_checkpointing.value, backward_passes(run),
+                                   train.selective_policy.value)
     parts = ModelParts(model)
     if p.pp > 1:
         from trainer.models.llama.pipeline import build_stages
@@ -73,6 +75,7 @@ def parallelize_moe(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | 
         apply_fsdp(model.layers.values(), roots, mesh.fsdp_mesh(), param_dtype=compute_dtype(run, device),
                    reduce_dtype=reduce_dtype(run), reshard_after_forward=parts.stages is None,
                    experts=experts, expert_mesh=mesh["edp"] if experts else None)
+        keep_roots_gathered_for_the_head(roots, run)
     return dataclasses.replace(parts, experts=expert_parameter_names(model))
 
 

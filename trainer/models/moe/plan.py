@@ -43,7 +43,8 @@ def _mlp(cfg: MoEConfig, i: int) -> list[Param]:
 
 def plan_model(cfg: MoEConfig) -> PlanModel:
     """The MoE kind's PlanModel (its spec's `plan`)."""
-    moe = tuple(MoE(cfg.experts, cfg.expert_ffn_dim, cfg.top_k, cfg.shared_experts) if cfg.is_moe_layer(i) else None
+    moe = tuple(MoE(cfg.experts, cfg.expert_ffn_dim, cfg.top_k, cfg.shared_experts, cfg.capacity_factor)
+                if cfg.is_moe_layer(i) else None
                 for i in range(cfg.layers))
     width = (cfg.top_k + cfg.shared_experts) * cfg.expert_ffn_dim
     if cfg.first_dense_layers:

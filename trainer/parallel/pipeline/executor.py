@@ -10,8 +10,9 @@ of consecutive SEND/RECV actions is posted as one `batch_isend_irecv`.
           are waited for at the end of the step
     F     stage input = tokens (stage 0), a received buffer, or the output of
           the previous stage on this rank (the V turn of zb-v); the last stage
-          also takes the loss, scaled by 1/microbatches. Under context parallel
-          every stage also gets the cp slice's RoPE positions
+          also takes the loss, scaled by 1/microbatches (a HeadLoss: chunk by
+          chunk with train.loss_chunks). Under context parallel every stage
+          also gets the cp slice's RoPE positions
     B     input gradient only; W later: weight gradients (backward.py)
     BW    both at once
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.parallel.chunked_loss import HeadLoss, LossFn, as_head_loss
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.backward import Pending, backward_input, backward_weight, full_backward
 from trainer.parallel.pipeline.stages import StageLayout
@@ -74,14 +76,14 @@ class Executor:
     def __init__(self, actions: Sequence[Action], stages: Mapping[int, torch.nn.Module], layout: StageLayout,
                  pp_rank: int, group: dist.ProcessGroup | None, device: torch.device,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_fn: LossFn | HeadLoss,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  cost: Mapping[Kind, float] | None = None, replay: Replay | None = None,
                  point: int | None = None) -> None:
         self.actions, self.stages, self.layout = list(actions), dict(stages), layout
         self.pp_rank, self.group, self.device = pp_rank, group, device
         self.act_shape, self.act_dtype, self.microbatches = tuple(act_shape), act_dtype, microbatches
-        self.loss_fn, self.loss_context, self.cost = loss_fn, loss_context, dict(cost or {})
+        self.head, self.loss_context, self.cost = as_head_loss(loss_fn), loss_context, dict(cost or {})
         self.last_stage = layout.num_stages - 1
         bwd = [i for i, a in enumerate(self.actions) if a.kind in (Kind.W, Kind.BW)]
         # the last W or BW of each stage in the list: where its gradients of the step are complete
@@ -261,11 +263,13 @@ class Executor:
         if a.kind == Kind.F:
             tokens, targets = self._batch[mb]
             inp = None if s == 0 else self._take(("F", s, mb)).requires_grad_()
-            with self._autocast:
-                out = self.stages[s](tokens.to(self.device, non_blocking=True) if s == 0 else inp, *self._extra)
+            args = (tokens.to(self.device, non_blocking=True) if s == 0 else inp, *self._extra)
+            with self._autocast:  # the last stage: its logits, or (chunked loss) its head's input
+                out = self.head.forward(self.stages[s], *args) if last else self.stages[s](*args)
             if last:
                 with self.loss_context():
-                    loss = self.loss_fn(out, targets.to(self.device, non_blocking=True)) / self.microbatches
+                    loss = self.head.loss(self.stages[s], out, targets.to(self.device, non_blocking=True),
+                                          self._autocast) / self.microbatches
                 detached = loss.detach()
                 detached = detached.full_tensor() if hasattr(detached, "full_tensor") else detached
                 self._loss = detached if self._loss is None else self._loss + detached

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.parallel.chunked_loss import HeadLoss, LossFn
 from trainer.parallel.data.fsdp import FSDPSync
 from trainer.parallel.pipeline.actions import Action, Kind
 from trainer.parallel.pipeline.executor import Executor, StepTiming
@@ -62,13 +63,14 @@ class Pipeline:
 
     def __init__(self, stages: Mapping[int, torch.nn.Module], sync, schedule: Schedule, pp_group: dist.ProcessGroup,
                  pp_rank: int, device: torch.device, activation_shape: tuple[int, ...],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_fn: LossFn | HeadLoss,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, *,
                  post_validation: bool = False, profile: StageProfile | None = None, profile_dir: Path | None = None,
                  cost: Mapping[Kind, float] | None = None) -> None:
         """`stages`: this rank's virtual stage modules by index (the model kind builds them); `schedule` the
         generated action lists of every rank; `activation_shape` what crosses a stage boundary on this rank;
-        `loss_fn(output, targets)` the last stage's loss of one microbatch, taken inside `loss_context()`;
+        `loss_fn(output, targets)` the last stage's loss of one microbatch, taken inside `loss_context()` (a
+        HeadLoss: the head and the loss chunk by chunk, trainer/parallel/chunked_loss.py);
         `post_validation`: steps overlap (the loop checks each during the next, post_validation.py);
         `profile` (logging.profile_pipeline) collects per-stage F/B/W times and writes them under
         `profile_dir` at each report (profile_dir None: another replica writes); `cost`: injected seconds per
