@@ -4,9 +4,11 @@
     mantra plan manifests/tiny-cpu.yaml                           # a local one: this machine (its GPU, else CPU)
     mantra plan manifests/llama3-8b.yaml --json                    # the same as one JSON object
     mantra plan manifests/llama3-8b.yaml --set parallel.pp=4 --set parallel.schedule=zb-h1 --timeline plan.svg
-    mantra plan manifests/llama3-8b.yaml --search --gpus 64 --gpu-mem 80    # the five fastest layouts that fit
+    mantra plan manifests/llama3-8b.yaml --search --gpus 64 --gpu-mem 80    # launchers/plan_search.py
+    mantra plan --calibrate runs/tiny-cpu manifests/tiny-cpu.yaml            # launchers/plan_calibrate.py
 
-The first line names the device planned for and why (`--gpu auto`, the default: trainer/plan/devices.py).
+The first line names the device planned for and why (`--gpu auto`, the default: trainer/plan/devices.py), the
+second the compute efficiency the step time assumes and where it comes from (trainer/plan/efficiency.py).
 Exit 0 when the layout fits, 3 when it does not (with --search: 0 when at least one layout fits, 3 when none
 does); 2 for a bad manifest or arguments. Scripts can branch on it: `mantra plan m.yaml --json || ...`.
 Torch is never imported: the answer comes in about a second on a login node.
@@ -16,15 +18,18 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from launchers.plan_format import duration, layout_line
 from trainer.manifest import Resolved, load_manifest
 from trainer.plan import Estimate, estimate
 from trainer.plan.devices import GIB, Device, choose_device
-from trainer.plan.estimate import ROWS
+from trainer.plan.efficiency import Calibration
+from trainer.plan.estimate import ROWS, calibration_of
 from trainer.plan.kinds import plan_of
 from trainer.plan.model import NoPlanModel
 
@@ -39,34 +44,10 @@ def _gib(x: float) -> str:
     return f"{x / GIB:,.2f}"
 
 
-def duration(seconds: float) -> str:
-    """A time in the unit that shows its digits: 1.23 s, 45.6 ms, 789 µs (never 0.000 s)."""
-    if seconds == 0:
-        return "0"
-    if seconds >= 1:
-        return f"{seconds:,.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
-
-def _layout_line(e: Estimate) -> str:
-    lay = e.layout
-    split = "" if lay.get("stage_split") in (None, "uniform") else f", {lay['stage_split']} {lay['stage_layers']}"
-    pp = (f"pp {lay['pp']} ({lay['schedule']}, {lay['virtual_stages']} chunk{'s' if lay['virtual_stages'] > 1 else ''}"
-          f"{split})" if lay["pp"] > 1 else "pp 1")
-    sp = " + sp" if lay["sequence_parallel"] else ""
-    cp = f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else ""
-    ep = f" (ep {lay['ep']} of them)" if lay.get("ep", 1) > 1 else ""
-    return (f"dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']}{ep}{cp} x tp {lay['tp']}{sp} x {pp}; "
-            f"{lay['optimizer_sharding']}; recompute {lay['recompute']}; global batch {lay['global_batch']} = "
-            f"micro {lay['micro_batch']} x {lay['microbatches']} microbatches x dp {lay['dp_replicate'] * lay['dp_shard']}")
-
-
 def timeline_of(e: Estimate, steps: int):
     """The simulated pipeline to draw: the plan's one step, or `steps` consecutive ones as the runtime runs them
     (overlapped under parallel.post_validation, else with a barrier between steps)."""
-    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+    if e.layout["pp"] == 1 or steps <= 1:
         return e.timing.sim
     from trainer.plan.schedule import simulate_many
 
@@ -75,7 +56,7 @@ def timeline_of(e: Estimate, steps: int):
 
 def steps_line(e: Estimate, steps: int) -> str | None:
     """`steps` consecutive steps with a barrier between them against post-validation's overlap; which runs."""
-    if steps <= 1 or e.timing.sim is None or e.layout["pp"] == 1:
+    if steps <= 1 or e.layout["pp"] == 1:
         return None
     from trainer.plan.schedule import simulate_many
 
@@ -92,7 +73,12 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
     precision = "bf16 autocast over fp32 weights" if e.precision == "bf16" else "fp32"
     reason = f"; device: {why}" if why else ""
     console.print(f"[bold]{e.name}[/bold] on {e.world} x {e.device.name} ({precision}){reason}", soft_wrap=True)
-    console.print(_layout_line(e), soft_wrap=True)
+    if e.calibration is not None:
+        c = e.calibration
+        overhead = f" + {c.action_overhead_s * 1e3:.3g} ms per pipeline action" if c.action_overhead_s else ""
+        console.print(f"compute efficiency {c.efficiency:.1%} of peak{overhead} ({c.source})", soft_wrap=True,
+                      markup=False, highlight=False)
+    console.print(layout_line(e), soft_wrap=True)
     table = Table(title="memory per rank at its peak (GiB)", title_justify="left")
     table.add_column("rank")
     table.add_column("layers", justify="right")
@@ -118,7 +104,7 @@ def print_plan(e: Estimate, console: Console, ascii_timeline: bool = True, why: 
                   f"MFU {t.mfu:.1%} of {e.device.peak_tflops:g} TFLOP/s", soft_wrap=True)
     for line in split_lines(e):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
-    if ascii_timeline and t.sim is not None and e.layout["pp"] > 1:
+    if ascii_timeline and e.layout["pp"] > 1:
         from trainer.parallel.pipeline import render_ascii
 
         console.print("pipeline timeline:")
@@ -151,7 +137,7 @@ def split_lines(e: Estimate) -> list[str]:
         out.append(f"hint: the uniform split's slowest rank computes {s.imbalance - 1:.0%} more than the mean (the last "
                    f"stage also runs the head and the loss); parallel.stage_layers: balanced would split {list(b.stage_layers)} (slowest / mean "
                    f"{b.imbalance:.3f}): step {duration(b.step_s)} instead of {duration(t.step_s)}, pipeline idle "
-                   f"{b.bubble_rate:.1%} instead of {t.sim.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
+                   f"{b.bubble_rate:.1%} instead of {t.bubble_rate:.1%}, peak {b.peak / GIB:.2f} GiB ({fit}); "
                    "--set parallel.stage_layers=balanced")
     return out
 
@@ -167,11 +153,14 @@ def write_picture(e: Estimate, path: str, steps: int = 1) -> Path:
 
 def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | None, as_json: bool,
              timeline: str | None, search: bool, gpus: int | None, efficiency: float | None = None,
-             steps: int = 1) -> int:
+             steps: int = 1, overhead: float | None = None, pins: tuple[str, ...] = (), top: int = 5,
+             write: str | None = None, flags: tuple[str, ...] = ()) -> int:
     """What `mantra plan` does; returns the exit code: 0 fits, 3 does not (ManifestError propagates to the CLI)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)  # piped: rows never cut at 80 columns
     if search and not gpus:
         raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
+    if (pins or write) and not search:
+        raise PlanInputError("--fix and --write go with --search")
     if not 1 <= steps <= 64:
         raise PlanInputError(f"--steps {steps}: draw 1 to 64 consecutive steps")
     run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
@@ -182,16 +171,23 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
     except NoPlanModel as exc:
         raise PlanInputError(str(exc)) from None
     device, why = _device(gpu, run)
+    calibration = _calibration(run, device, efficiency, overhead)
     if search:
-        return _run_search(manifest, overrides, device, why, gpu_mem, gpus, as_json, console, efficiency)
-    e = _estimate(run, device, gpu_mem, efficiency)
+        from launchers.plan_search import SearchInputError, SearchOptions, run_search
+
+        options = SearchOptions(gpus, tuple(pins), top, write, calibration, flags)
+        try:
+            return run_search(manifest, overrides, device, why, gpu_mem, options, as_json, console)
+        except SearchInputError as exc:
+            raise PlanInputError(str(exc)) from None
+    e = _estimate(run, device, gpu_mem, calibration)
     picture = write_picture(e, timeline, steps) if timeline else None
     code = EXIT_FITS if e.fits else EXIT_DOES_NOT_FIT
     if as_json:
         out = e.to_json()
         out["device_reason"] = why
         out["timeline"] = str(picture) if picture else None
-        if steps > 1 and e.timing.sim is not None and e.layout["pp"] > 1:
+        if steps > 1 and e.layout["pp"] > 1:
             from trainer.plan.schedule import simulate_many
 
             out["steps"] = {"barrier": simulate_many(e.timing, steps).summary(),
@@ -205,6 +201,18 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
     return code
 
 
+def _calibration(run: Resolved, device: Device, efficiency: float | None, overhead: float | None) -> Calibration | None:
+    """--efficiency and --action-overhead over the published table's row (None: the table's, estimate's default)."""
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise PlanInputError(f"--efficiency {efficiency:g}: a share of the peak, above 0 and at most 1")
+    if overhead is not None and overhead < 0:
+        raise PlanInputError(f"--action-overhead {overhead:g}: seconds, 0 or more")
+    if efficiency is None and overhead is None:
+        return None
+    base = calibration_of(run, device, efficiency)
+    return replace(base, action_overhead_s=overhead or 0.0)
+
+
 def _device(gpu: str, run: Resolved) -> tuple[Device, str]:
     try:
         return choose_device(gpu, run.manifest.launcher.kind.value)
@@ -212,65 +220,8 @@ def _device(gpu: str, run: Resolved) -> tuple[Device, str]:
         raise PlanInputError(str(exc.args[0])) from None
 
 
-def _estimate(run: Resolved, device: Device, gpu_mem: float | None, efficiency: float | None) -> Estimate:
+def _estimate(run: Resolved, device: Device, gpu_mem: float | None, calibration: Calibration | None) -> Estimate:
     try:
-        return estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency)
+        return estimate(run, device, capacity_gib=gpu_mem, calibration=calibration)
     except (KeyError, ValueError) as exc:
         raise PlanInputError(str(exc.args[0] if exc.args else exc)) from None
-
-
-class SearchProgress:
-    """`searching 10,635 layouts… 40%` on stderr: redrawn in place on a terminal, a plain line per quarter
-    when piped (a log file or CI keeps four lines, not thousands)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.shown = -1
-
-    def __call__(self, done: int, total: int) -> None:
-        percent = 100 * done // max(total, 1)
-        step = 1 if self.tty else 25
-        if percent // step == self.shown // step and done < total:
-            return
-        self.shown = percent
-        line = f"searching {total:,} layouts… {percent}%"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if done >= total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
-def _run_search(manifest: str, overrides: list[str], device: Device, why: str, gpu_mem: float | None, gpus: int,
-                as_json: bool, console: Console, efficiency: float | None) -> int:
-    """The fastest layouts that fit; exit 0 when at least one fits, 3 when none does."""
-    from trainer.plan.search import search
-
-    found = search(manifest, gpus=gpus, gpu_mem=gpu_mem, device=device, overrides=overrides, efficiency=efficiency,
-                   progress=SearchProgress())
-    code = EXIT_FITS if found.best else EXIT_DOES_NOT_FIT
-    if as_json:
-        print(json.dumps({"gpus": gpus, "gpu_mem_gib": gpu_mem, "device": device.key, "device_reason": why,
-                          "tried": found.tried, "valid": found.valid, "fitting": found.fitting, "exit_code": code,
-                          "best": [{"set": list(c.overrides), "plan": c.estimate.to_json()} for c in found.best]},
-                         indent=2))
-        return code
-    mem = f"{gpu_mem:g} GiB" if gpu_mem else "the device's memory"
-    console.print(f"{found.tried:,} layouts of {manifest} on {gpus} x {device.name} with {mem} (device: {why}): "
-                  f"{found.valid:,} validate, {found.fitting:,} fit", soft_wrap=True)
-    if not found.best:
-        console.print("[red]no layout fits; add GPUs, memory, or recompute, or shrink the micro-batch or sequence[/red]")
-        return code
-    table = Table(title="the fastest layouts that fit", title_justify="left")
-    for col in ("#", "step", "tok/s/dev", "MFU", "peak GiB", "layout"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
-    for i, c in enumerate(found.best, 1):
-        e = c.estimate
-        table.add_row(str(i), duration(e.timing.step_s), f"{e.timing.tokens_per_s / e.world:,.0f}",
-                      f"{e.timing.mfu:.1%}", _gib(e.peak), _layout_line(e))
-    console.print(table)
-    own = "".join(f" --set {o}" for o in overrides)
-    for i, c in enumerate(found.best, 1):
-        console.print(f"{i}. mantra plan {manifest}{own} {c.set_line}", soft_wrap=True, markup=False)
-    return code

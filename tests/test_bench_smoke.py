@@ -29,6 +29,8 @@ SMALLEST = {
     "pipeline_bubble": (["--pp", "2", "--microbatches", "2", "--unit", "0.002", "--steps", "1"], "schedule"),
     "pipeline_simulated": ([], "schedule"),
     "plan_memory": (["--only", "micro64", "--out", "{out}"], None),
+    "plan_search": (["--only", "llama3-8b:8", "--repeats", "1"], "search_s"),
+    "tp_overhead": (["--repeats", "1", "--iters", "1"], "host_s_per_linear_pass"),
 }
 
 

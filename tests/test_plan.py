@@ -59,7 +59,7 @@ def test_states_follow_the_formulas(tmp_path, sharding):
 
 
 def _setup(run) -> memory.Setup:
-    from trainer.plan.estimate import _moments
+    from trainer.plan.moments import rank_moments as _moments
 
     p = run.manifest.parallel
     return memory.Setup(params=tuple(llama_params(CFG)), layers=CFG.layers, first=True, last=True, tp=p.tp,

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from conftest import mantra
-from launchers.plan import SearchProgress, duration
+from launchers.plan import duration
+from launchers.plan_search import SearchProgress
 from trainer.plan.devices import choose_device
 
 
@@ -39,6 +40,8 @@ def test_search_exits_0_when_a_layout_fits_and_3_when_none_does(no_gpu):
     none = mantra("plan", "manifests/tiny-cpu.yaml", "--search", "--gpus", "2", "--gpu-mem", "0.01")
     assert none.returncode == 3, none.stderr
     assert "no layout fits" in none.stdout
+    assert re.search(r"[\d,]+ layouts in [\d.]+ s: [\d,]+ pruned by the memory bound, [\d,]+ by the time bound, "
+                     r"[\d,]+ evaluated, [\d,]+ of them fit", none.stdout), none.stdout
     progress = none.stderr.splitlines()  # piped: a few plain lines, the last at 100%
     assert 2 <= len(progress) <= 6 and all(re.fullmatch(r"searching [\d,]+ layouts… \d+%", p) for p in progress)
     assert progress[-1].endswith("100%")

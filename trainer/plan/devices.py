@@ -44,10 +44,26 @@ class Device:
     precision: str  # what precision "auto" means on it: bf16 (autocast over fp32 master weights) | fp32
     fused_adamw: bool  # torch's fused AdamW kernel (no foreach temporaries)
     basis: str = ""  # how peak_tflops was arrived at, where it is an estimate (the host CPU)
+    # host work of one tensor-parallel linear's pass (forward, input gradient, weight gradient) beyond its FLOPs, in
+    # FLOP-equivalents of this device: DTensor's dispatch and redistribution. A GPU's host runs ahead of its kernels
+    # (0); a CPU does it on the cores that compute, so it scales with the efficiency a calibration finds.
+    tp_host_flops: float = 0.0
+    tp_root_host_flops: float = 0.0  # the same for the vocab-parallel embedding, head and loss, per microbatch
+    threads: int = 0  # the host CPU: OMP_NUM_THREADS where set (each rank's threads, as `mantra run` gives them)
 
     @property
     def is_gpu(self) -> bool:
         return self.key != "cpu"
+
+    def rank_share(self, world: int) -> float:
+        """The share of peak_tflops one of `world` ranks computes at: a GPU's whole; the host CPU's cores split
+        among the ranks as `mantra run` splits them (OMP_NUM_THREADS if set, else cores // ranks, at least 1:
+        launchers/local.py), so two ranks on two cores each run at half the host's peak."""
+        if self.is_gpu:
+            return 1.0
+        cores = self.gpus_per_node  # the host CPU's (host_cpu)
+        threads = self.threads or max(1, cores // world)
+        return min(threads, cores / world) / cores
 
 
 DEVICES: dict[str, Device] = {
@@ -103,11 +119,27 @@ def _cpuinfo() -> tuple[float, int, str]:
     return ghz, flops, source
 
 
+# gloo between ranks of one host: all_reduce busbw 0.75 GB/s at 1 MiB on 2 ranks (bench/results/comm-gloo-2ranks-2026-11-30.jsonl)
+CPU_LINK_GBPS = 0.75
+# Measured by bench/tp_overhead.py (bench/results/tp_overhead-2026-12-03.jsonl; one tiny-cpu block, and its embedding,
+# head and loss, on 2 ranks with one thread each against the same on one rank): what a tensor-parallel rank takes
+# beyond its share of the FLOPs and its all-reduces, in FLOP-equivalents of the plain block's rate. Per block linear
+# pass (forward, input gradient, weight gradient), and per microbatch for the vocab-parallel embedding, head and loss.
+CPU_TP_HOST_FLOPS = 100e6
+CPU_TP_ROOT_HOST_FLOPS = 900e6
+
+
+def _omp_threads() -> int:
+    """OMP_NUM_THREADS as `mantra run` passes it to each rank (0: not set, or not a whole number >= 1)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) >= 1 else 0
+
+
 def host_cpu() -> Device:
     """This machine's CPU, read without torch: cores, clock, vector width and RAM; links assumed.
 
     peak: cores x GHz x fp32 FLOP/cycle (two FMA units): an upper bound a CPU matmul rarely reaches.
-    links: ranks on one host talk through gloo over loopback, ~2 GB/s in practice on these machines.
+    links: ranks on one host talk through gloo over loopback (CPU_LINK_GBPS, measured by bench/comm.py).
     """
     cores = os.cpu_count() or 1
     ghz, per_cycle, source = _cpuinfo()
@@ -118,8 +150,9 @@ def host_cpu() -> Device:
     peak = cores * ghz * per_cycle / 1e3
     basis = (f"assumed peak {peak * 1e3:,.0f} GFLOP/s fp32 = {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
              f"({'AVX-512' if per_cycle == 64 else 'AVX2'}, {source})")
-    return Device("cpu", f"host CPU ({cores} cores)", peak, hbm_gib=round(ram, 1), hbm_gbps=20, intra_gbps=2,
-                  inter_gbps=1, gpus_per_node=cores, precision="fp32", fused_adamw=False, basis=basis)
+    return Device("cpu", f"host CPU ({cores} cores)", peak, hbm_gib=round(ram, 1), hbm_gbps=20, intra_gbps=CPU_LINK_GBPS,
+                  inter_gbps=1, gpus_per_node=cores, precision="fp32", fused_adamw=False, basis=basis,
+                  tp_host_flops=CPU_TP_HOST_FLOPS, tp_root_host_flops=CPU_TP_ROOT_HOST_FLOPS, threads=_omp_threads())
 
 
 def device_names() -> list[str]:

@@ -21,7 +21,9 @@ from trainer.manifest.schema import OptimizerName, Precision, Schedule
 from trainer.plan import activations as act
 from trainer.plan import memory
 from trainer.plan.model_states import states
+from trainer.plan.moments import inflight, rank_moments, validation_held
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
+from trainer.plan.efficiency import Calibration, default_calibration
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
 from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
@@ -108,6 +110,7 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     split: Split | None = None  # the pipeline's stage split and its balance (pp > 1)
     counts: ModelCounts | None = None  # total and active parameters, experts per EP rank, all-to-all bytes
+    calibration: Calibration | None = None  # the compute efficiency (and pipeline action overhead) and its source
 
     @property
     def peak(self) -> float:
@@ -138,10 +141,11 @@ class Estimate:
                      "ep_comm_exposed_s": t.ep_s, "ep_bytes_per_step": t.ep_bytes,
                      "optimizer_s": t.optimizer_s, "step_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                      "assumed_efficiency": t.efficiency,
-                     "bubble_rate": None if t.sim is None else t.sim.bubble_rate},
+                     "bubble_rate": t.bubble_rate},
             "activation_coefficients": self.coefficients, "notes": list(self.notes),
             "pipeline": None if self.split is None else self.split.to_json(),
             "parameters": None if self.counts is None else self.counts.to_json(),
+            "calibration": None if self.calibration is None else self.calibration.to_json(),
         }
 
 
@@ -150,49 +154,7 @@ def is_bf16(run: Resolved, device: Device) -> bool:
     return p == Precision.bf16 or (p == Precision.auto and device.precision == "bf16")
 
 
-def _moments(run: Resolved) -> list[tuple[memory.Moment, ...]]:
-    """Per pipeline rank, the distinct states in which a backward starts, read off the schedule's action list."""
-    p = run.manifest.parallel
-    if p.pp == 1:
-        return [memory.moments_without_pipeline(run.batch.microbatches)]
-    return list(_schedule_moments(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages, schedule_options(run)))
-
-
-@functools.lru_cache(maxsize=512)  # one walk per schedule shape: `--search` tries thousands of layouts on a few
-def _schedule_moments(schedule: str, pp: int, microbatches: int, v: int,
-                      options: tuple = ()) -> tuple[tuple[memory.Moment, ...], ...]:
-    from trainer.plan.schedule import layout, lists
-
-    stages = layout(schedule, pp, v)
-    return tuple(memory.moments_of(actions, stages, r) for r, actions in enumerate(lists(schedule, pp, microbatches, v, options)))
-
-
-def _validation_held(run: Resolved) -> tuple[float, ...]:
-    """Per pipeline rank under post-validation, the microbatches of activations held at its validation point
-    (pipeline/validation.py: the first action that is not a forward of its first chunk), in units of the rank's
-    blocks. Read off the compute list, an upper bound of the runtime's point (a comm batch may come first)."""
-    from trainer.parallel.pipeline import Kind
-    from trainer.plan.schedule import lists
-
-    p = run.manifest.parallel
-    if p.pp == 1 or not p.post_validated:
-        return (0.0,) * p.pp
-    out = []
-    for r, actions in enumerate(lists(p.schedule.value, p.pp, run.batch.microbatches, p.virtual_stages, schedule_options(run))):
-        n = 0
-        for a in actions:  # stage r is rank r's first chunk in every layout (stages.StageLayout.stages_of)
-            if a.kind != Kind.F or a.stage != r:
-                break
-            n += 1
-        out.append(n / p.virtual_stages)
-    return tuple(out)
-
-
-def _inflight(moments: tuple[memory.Moment, ...]) -> float:
-    return max((m.held for m in moments), default=0.0)
-
-
-class _Cut(NamedTuple):
+class Cut(NamedTuple):
     """How a run's model is cut over its pipeline ranks (what every rank's memory row starts from)."""
 
     bf16: bool
@@ -209,7 +171,9 @@ def expert_parallel(run: Resolved) -> int:
     return getattr(run.manifest.parallel, "ep", 1)
 
 
-def _cut(run: Resolved, device: Device) -> _Cut:
+def cut_of(run: Resolved, device: Device, *, moments: bool = True) -> Cut:
+    """How the run's model is cut over its pipeline ranks: the split, each rank's blocks, the moments (not read
+    off the schedule with moments=False: a cut for the step time, whose Setups the memory model cannot take)."""
     from trainer.plan.split import stage_counts
 
     p = run.manifest.parallel
@@ -218,43 +182,53 @@ def _cut(run: Resolved, device: Device) -> _Cut:
     counts = stage_counts(run) if p.pp > 1 else (pm.layers,)  # the split the runtime uses (pipeline/analysis/balance.py)
     layers = rank_layers(pm.layers, p.pp, p.virtual_stages, counts, v_style)
     last_rank = (2 * p.pp - 1 - (p.pp * p.virtual_stages - 1)) if v_style else (p.pp * p.virtual_stages - 1) % p.pp
-    return _Cut(is_bf16(run, device), counts, layers, last_rank, _moments(run), pm, expert_parallel(run))
+    held = rank_moments(run) if moments else [()] * p.pp
+    return Cut(is_bf16(run, device), counts, layers, last_rank, held, pm, expert_parallel(run))
 
 
-def _rank(run: Resolved, device: Device, cut: _Cut, r: int) -> tuple[RankRow, memory.Setup]:
-    """Pipeline rank r's memory row and its Setup."""
+def setup_of(run: Resolved, device: Device, cut: Cut, r: int) -> memory.Setup:
+    """Pipeline rank r's share of the run, as the memory model reads it."""
     m = run.manifest
     p, train, pm = m.parallel, m.train, cut.model
-    bf16, last_rank, moments = cut.bf16, cut.last_rank, cut.moments
     embed, blocks, head = pm.parts
     sp = p.sequence_parallel and p.tp > 1
-    held = set(cut.layers[r])
-    tied_copy = pm.tied and r == last_rank  # the tied head's copy of the embedding (tied.py)
+    held = cut.layers[r]
+    tied_copy = pm.tied and r == cut.last_rank  # the tied head's copy of the embedding (tied.py)
     mine = ((embed if (r == 0 or tied_copy) else ()) + tuple(q for i in sorted(held) for q in blocks[i])
-            + (head if r == last_rank else ()))  # registration order, as model.named_parameters()
+            + (head if r == cut.last_rank else ()))  # registration order, as model.named_parameters()
     # context parallel: a rank's activations are those of seq_len / cp tokens, and its gradients are reduced
     # (zero1/2/3: sharded) over dp x cp, as the cp ranks hold the same parameters
     local = pm.with_seq_len(pm.seq_len // p.cp)
-    s = memory.Setup(
-        params=mine, layers=len(held), first=r == 0, last=r == last_rank, tp=p.tp, sp=sp, dp=run.dp * p.cp,
+    return memory.Setup(
+        params=mine, layers=len(held), first=r == 0, last=r == cut.last_rank, tp=p.tp, sp=sp, dp=run.dp * p.cp,
         dp_shard=run.dp_shard * p.cp, sharding=p.optimizer_sharding.value, recompute=train.activation_checkpointing.value,
-        bf16=bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
-        moments=moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
+        bf16=cut.bf16, micro_batch=run.batch.micro_batch, loaded=run.batch.microbatches,
+        moments=cut.moments[r], holds_logits=False, chunks=p.virtual_stages, bucket_bytes=int(p.bucket_mb * 2**20),
         adamw=m.optimizer.name == OptimizerName.adamw, fused=device.fused_adamw, model=local, pp=p.pp,
-        grad_bytes=2 if (bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
+        grad_bytes=2 if (cut.bf16 and p.reduce_dtype.value == "bf16") else 4, gloo=not device.is_gpu,
         cp=p.cp, cp_kind=p.cp_kind.value, document_mask=m.data.document_mask,
-        post_validated=p.post_validated, validation_held=_validation_held(run)[r], ep=cut.ep,
+        post_validated=p.post_validated, validation_held=validation_held(run)[r] if cut.moments[r] else 0.0, ep=cut.ep,
         loss_chunks=loss_chunks(run), selective_policy=train.selective_policy.value)
+
+
+def row_of(run: Resolved, cut: Cut, r: int, s: memory.Setup) -> RankRow:
+    """Pipeline rank r's memory row: its peak moment and what is alive then."""
     pt = memory.peak(s)
-    row = RankRow("every rank" if p.pp == 1 else f"pp rank {r}", len(held), _inflight(moments[r]), pt.name,
-                  pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits, pt.buffers, pt.total)
-    return row, s
+    return RankRow("every rank" if run.manifest.parallel.pp == 1 else f"pp rank {r}", s.layers,
+                   inflight(cut.moments[r]), pt.name, pt.params, pt.grads, pt.optimizer, pt.activations, pt.logits,
+                   pt.buffers, pt.total)
+
+
+def _rank(run: Resolved, device: Device, cut: Cut, r: int) -> tuple[RankRow, memory.Setup]:
+    """Pipeline rank r's memory row and its Setup."""
+    s = setup_of(run, device, cut, r)
+    return row_of(run, cut, r, s), s
 
 
 @functools.lru_cache(maxsize=8)  # peak_bytes, estimate and `plan --against` ask for the same run in turn
 def _memory(run: Resolved, device: Device) -> tuple[tuple[RankRow, ...], tuple[memory.Setup, ...], list[list[int]], tuple[int, ...]]:
     """Per pipeline rank, its memory row and its Setup; the blocks per rank and per virtual stage."""
-    cut = _cut(run, device)
+    cut = cut_of(run, device)
     pairs = [_rank(run, device, cut, r) for r in range(run.manifest.parallel.pp)]
     return tuple(row for row, _ in pairs), tuple(s for _, s in pairs), cut.layers, cut.counts
 
@@ -263,7 +237,7 @@ def fits_memory(run: Resolved, device: Device, capacity: float) -> bool:
     """peak_bytes(run, device) <= capacity, found rank by rank, stopping at the first rank that does not fit:
     the first and the last pipeline rank go first (the embedding, the head, the most in flight). `--search`
     rejects most layouts here, a deep pipeline's for the cost of one rank instead of pp."""
-    cut = _cut(run, device)
+    cut = cut_of(run, device)
     order = dict.fromkeys([0, cut.last_rank, *range(run.manifest.parallel.pp)])
     return all(_rank(run, device, cut, r)[0].peak <= capacity for r in order)
 
@@ -274,27 +248,57 @@ def peak_bytes(run: Resolved, device: Device | str = "h100") -> float:
     return max(r.peak for r in _memory(run, device)[0])
 
 
+def calibration_of(run: Resolved, device: Device, efficiency: float | None = None,
+                   calibration: Calibration | None = None) -> Calibration:
+    """The time model's calibration: `calibration` as given, else `efficiency` (--efficiency), else the published
+    row for the device, precision and compile (trainer/plan/efficiency.py)."""
+    if calibration is not None:
+        return calibration
+    if efficiency is not None:
+        return Calibration(efficiency, 0.0, "--efficiency")
+    return default_calibration(device, is_bf16(run, device), run.manifest.train.compile)
+
+
+def timing_of(run: Resolved, device: Device, cut: Cut, setups: tuple[memory.Setup, ...], calibration: Calibration,
+              *, owned: float | None = None, memo: dict | None = None) -> Timing:
+    """The step time (flops.predict) of the run cut as `cut`, its ranks' Setups given. `owned` (the parameters
+    whose optimizer step one rank does) and `memo` (flops.predict's) let a search reuse what other layouts
+    computed; the answer is the same."""
+    p = run.manifest.parallel
+    ranks = tuple(stage_ranks(p.pp, p.virtual_stages, p.schedule == Schedule.zb_v)) if p.pp > 1 else (0,)
+    x = shape_of(run, cut, setups, ranks, owned)
+    return predict(x, device, calibration.efficiency, calibration.action_overhead_s, memo)
+
+
 def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: float | None = None,
-             efficiency: float | None = None, compare: bool = True) -> Estimate:
+             efficiency: float | None = None, compare: bool = True, calibration: Calibration | None = None) -> Estimate:
     """The plan for `run` on `device` (see the module docstring). With `compare`, a uniform pipeline split
-    off by more than IMBALANCE_HINT also gets the plan of `stage_layers: balanced` (`split.balanced`)."""
+    off by more than IMBALANCE_HINT also gets the plan of `stage_layers: balanced` (`split.balanced`).
+    The compute efficiency: `calibration`, else `efficiency`, else the published table's (calibration_of)."""
     device = get_device(device) if isinstance(device, str) else device
+    rows, setups, layers, counts = _memory(run, device)
+    calib = calibration_of(run, device, efficiency, calibration)
+    timing = timing_of(run, device, cut_of(run, device), setups, calib)
+    return assemble(run, device, rows, setups, timing, calib, capacity_gib, compare)
+
+
+def assemble(run: Resolved, device: Device, rows: tuple[RankRow, ...], setups: tuple[memory.Setup, ...], timing: Timing,
+             calib: Calibration, capacity_gib: float | None, compare: bool = False) -> Estimate:
+    """The Estimate of a run whose memory rows and step time are known (estimate, or a search's evaluation)."""
     m = run.manifest
     p, train = m.parallel, m.train
     pm = plan_of(m.model)
-    rows, setups, layers, counts = _memory(run, device)
-    bf16 = is_bf16(run, device)
-    v_style = p.schedule == Schedule.zb_v
+    cut = cut_of(run, device)
+    layers, counts, bf16 = cut.layers, cut.counts, cut.bf16
     sp = p.sequence_parallel and p.tp > 1
-    ranks = tuple(stage_ranks(p.pp, p.virtual_stages, v_style)) if p.pp > 1 else (0,)
-    timing = predict(_shape(run, pm, setups, layers, bf16, counts, ranks), device, efficiency)
+    ranks = tuple(stage_ranks(p.pp, p.virtual_stages, p.schedule == Schedule.zb_v)) if p.pp > 1 else (0,)
     prec = act.Precision(bf16, fsdp_bf16=bf16 and setups[0].mode == "zero3")
     coeffs = {mode: act.coefficients(pm, mode, prec, p.tp, sp, setups[0].selective_policy) for mode in ("none", "selective", "full")}
     counted = model_counts(run, pm, layers, bf16)
     layout = {"dp_replicate": run.dp_replicate, "dp_shard": run.dp_shard, "cp": p.cp, "ep": p.ep, "tp": p.tp,
               "sequence_parallel": sp, "selective_policy": train.selective_policy.value, "loss_chunks": setups[0].loss_chunks,
               "pp": p.pp, "schedule": p.schedule.value if p.pp > 1 else None, "virtual_stages": p.virtual_stages,
-              "post_validation": p.post_validated,
+              "post_validation": p.post_validated, "cp_kind": p.cp_kind.value if p.cp > 1 else None,
               "optimizer_sharding": p.optimizer_sharding.value, "recompute": train.activation_checkpointing.value,
               "global_batch": run.batch.global_batch, "micro_batch": run.batch.micro_batch,
               "microbatches": run.batch.microbatches}
@@ -304,31 +308,33 @@ def estimate(run: Resolved, device: Device | str = "h100", *, capacity_gib: floa
     if p.pp > 1:
         split = Split(how, tuple(counts), ranks, timing.stage_s, timing.rank_s, timing.imbalance)
         if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
-            split = replace(split, balanced=_balanced(run, device, capacity_gib, efficiency, timing.step_s))
+            split = replace(split, balanced=_balanced(run, device, capacity_gib, calib, timing.step_s))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
-                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing, counted)), split,
-                    counted)
+                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing, counted, calib)),
+                    split, counted, calib)
 
 
-def _balanced(run: Resolved, device: Device, capacity_gib: float | None, efficiency: float | None,
+def _balanced(run: Resolved, device: Device, capacity_gib: float | None, calib: Calibration,
               step_s: float) -> Alternative | None:
     """The plan of the same run with `parallel.stage_layers: balanced`, or None unless its step is shorter than
     `step_s` (balanced weighs FLOPs only; this plan also counts selective recompute's memory traffic and tensor
     parallel's collectives per block, so a near-even split can come out no faster)."""
     m = run.manifest
     other = replace(run, manifest=m.model_copy(update={"parallel": m.parallel.model_copy(update={"stage_layers": "balanced"})}))
-    e = estimate(other, device, capacity_gib=capacity_gib, efficiency=efficiency, compare=False)
+    e = estimate(other, device, capacity_gib=capacity_gib, calibration=calib, compare=False)
     if e.split is None or e.timing.step_s >= step_s:
         return None
     t = e.timing
-    return Alternative(e.split.stage_layers, t.step_s, t.bubble_s, t.sim.bubble_rate, t.imbalance, e.peak, e.fits)
+    return Alternative(e.split.stage_layers, t.step_s, t.bubble_s, t.bubble_rate, t.imbalance, e.peak, e.fits)
 
 
-def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: list[list[int]], bf16: bool,
-           counts: tuple[int, ...], ranks: tuple[int, ...]) -> Shape:
-    m, p = run.manifest, run.manifest.parallel
+def shape_of(run: Resolved, cut: Cut, setups: tuple[memory.Setup, ...], ranks: tuple[int, ...],
+             owned: float | None = None) -> Shape:
+    """What the time model reads of the run (flops.Shape). `owned`: the parameters whose optimizer step the
+    busiest rank does, when the caller has it (else from each rank's model states)."""
+    m, p, pm = run.manifest, run.manifest.parallel, cut.model
     stage_params = tuple(sum(local_numel(q, p.tp, s.ep) for q in s.params) for s in setups)
-    owned = max(states(s)["owned"] for s in setups)
+    owned = max(states(s)["owned"] for s in setups) if owned is None else owned
     mode = setups[0].mode
     if mode in ("none", "zero1", "zero2"):
         plan = plan_buckets([local_numel(q, p.tp, setups[0].ep) for q in reversed(setups[0].params)],
@@ -341,9 +347,9 @@ def _shape(run: Resolved, pm: PlanModel, setups: list[memory.Setup], layers: lis
     remat = act.working_set(s0.model, run.batch.micro_batch, "selective", s0.precision, p.tp, sp, s0.selective_policy)  # a cp rank's
     return Shape(pm, run.world_size, p.tp, p.pp, p.virtual_stages, run.dp_replicate, run.dp_shard * p.cp, mode,
                  p.schedule.value, run.batch.microbatches, run.batch.micro_batch, m.train.activation_checkpointing.value,
-                 bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in layers), stage_params, owned,
-                 share, pm.flops_per_token, run.tokens_per_step, remat, tuple(counts), ranks,
-                 schedule_options(run), p.cp, p.cp_kind.value, p.ep, s0.selective_policy, s0.loss_chunks)
+                 cut.bf16, 2 if p.reduce_dtype.value == "bf16" else 4, tuple(len(x) for x in cut.layers), stage_params,
+                 owned, share, pm.flops_per_token, run.tokens_per_step, remat, tuple(cut.counts), ranks,
+                 schedule_options(run, cut.counts), p.cp, p.cp_kind.value, p.ep, s0.selective_policy, s0.loss_chunks)
 
 
 def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bool) -> ModelCounts:
@@ -361,10 +367,14 @@ def model_counts(run: Resolved, pm: PlanModel, layers: list[list[int]], bf16: bo
         max(moe_all_to_all_bytes(pm, tokens, ep, 2 if bf16 else 4, held, recompute) for held in layers))
 
 
-def _notes(run: Resolved, device: Device, t: Timing, counts: ModelCounts | None = None) -> list[str]:
+def _notes(run: Resolved, device: Device, t: Timing, counts: ModelCounts | None = None,
+           calib: Calibration | None = None) -> list[str]:
     p = run.manifest.parallel
-    out = [f"step time assumes {t.efficiency:.0%} of the {device.peak_tflops:g} TFLOP/s peak for compute "
-           "(trainer/plan/flops.py: EFFICIENCY); memory does not depend on it"]
+    source = f" ({calib.source})" if calib is not None and calib.source else ""
+    out = [f"step time assumes {t.efficiency:.1%} of the {device.peak_tflops:g} TFLOP/s peak for compute{source}; "
+           "memory does not depend on it"]
+    if t.overhead_s and p.pp > 1:
+        out.append(f"each pipeline action costs {t.overhead_s * 1e3:.3g} ms beyond its FLOPs (calibrated)")
     if counts is not None and counts.experts:
         out.append(f"mixture of experts: {counts.total:,} parameters, {counts.active:,} active per token (FLOPs and MFU "
                    f"count these); routed experts {counts.experts:,}, {counts.experts_per_rank:,} per expert-parallel "

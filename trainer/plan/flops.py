@@ -30,23 +30,32 @@ and microbatch, not by the device, and a plan that ignored it would promise tens
 
 Ring collectives over n ranks move (n-1)/n of the buffer per rank for a reduce-scatter or all-gather and
 twice that for an all-reduce (nccl-tests' busbw convention); a group inside one node runs at the NVLink
-bandwidth, one that spans nodes at the per-GPU network bandwidth.
+bandwidth, one that spans nodes at the per-GPU network bandwidth (comm_time.py: each family's seconds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from trainer.plan import activations as act
+from trainer.plan.comm_time import (  # noqa: F401 (moe_all_to_all_bytes: read from here too)
+    bandwidth,
+    context_comm,
+    expert_comm,
+    moe_all_to_all_bytes,
+    ring_time,
+    tensor_parallel_comm,
+)
+from trainer.plan.step_shape import Shape
 
 if TYPE_CHECKING:
     from trainer.plan.model import PlanModel
 
-# Achievable share of the dense peak for this model's matmuls, attention and element-wise work: what a
-# well-tuned compiled bf16 Llama step reaches (issue 7: the plain compiled loop ~55% MFU on an H200 for a
-# 1B model; torchtitan reports ~40-55% for Llama 3 8B on H100s, docs/plan-vs-published.md). An assumption,
-# the largest single source of error in the predicted time; the memory prediction does not depend on it.
+# The share of the dense peak when no calibration is given (estimate passes the published table's row,
+# trainer/plan/efficiency.py, or --efficiency, or a --calibrate fit): an assumption, the largest single
+# source of error in the predicted time; the memory prediction does not depend on it.
 EFFICIENCY = 0.5
 # Ops one block issues per microbatch, forward and backward (eager: ~32 forward: two RMSNorms of ~6 ops,
 # 7 matmuls, RoPE ~8, attention, SiLU, products, residual adds; the backward about twice that), and the
@@ -67,18 +76,15 @@ class Comm:
     pp_p2p_s: float = 0.0  # per transfer
 
 
-def ring_time(nbytes: float, ranks: int, gbps: float, kind: str) -> float:
-    """Seconds for a ring all_reduce | reduce_scatter | all_gather of `nbytes` (the full buffer)."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    factor = (ranks - 1) / ranks * (2 if kind == "all_reduce" else 1)
-    return factor * nbytes / (gbps * 1e9)
-
-
 def block_forward_flops(m: PlanModel, tokens: float) -> float:
     """Forward FLOPs of all blocks for `tokens` tokens: 2 per active parameter per token plus 4·h·s attention
     per layer."""
     return tokens * (2 * sum(m.active_block_params) + 4 * m.layers * m.dim * m.seq_len)
+
+
+def tp_linears(m: PlanModel) -> int:
+    """Matrices tensor parallel shards in a block (the Llama's 7: wq, wk, wv, wo, w1, w2, w3): its DTensor linears."""
+    return sum(1 for q in m.parts[1][0] if q.tp_dim is not None and q.is_matrix) if m.layers else 0
 
 
 def tp_share(m: PlanModel, tp: int) -> float:
@@ -139,41 +145,6 @@ def head_pass_flops(m: PlanModel, chunked: bool = False, split_backward: bool = 
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What the time model needs to know about the run (filled in by estimate.py)."""
-
-    model: PlanModel
-    world: int
-    tp: int
-    pp: int
-    virtual_stages: int
-    dp_replicate: int
-    dp_shard: int
-    sharding: str  # the gradient path that runs: local | none | zero1 | zero2 | zero3
-    schedule: str
-    microbatches: int  # per optimizer step on one rank (grad accumulation, or pipeline microbatches)
-    micro_batch: int
-    recompute: str
-    bf16: bool
-    reduce_bytes: int  # 4 (fp32) or 2 (bf16) per gradient element
-    rank_layers: tuple[int, ...]  # blocks per pipeline rank
-    stage_params: tuple[int, ...]  # parameters per pipeline rank, after tensor parallel
-    owned_params: float  # parameters whose optimizer step one rank does
-    bucket_share: float  # the last bucket's share of a rank's gradients (what cannot overlap)
-    flops_per_token: float
-    global_tokens: int
-    rematerialized: float = 0.0  # selective recompute: activation bytes one block rebuilds per microbatch
-    stage_layers: tuple[int, ...] = ()  # blocks per virtual stage, model order (default: all on one)
-    stage_rank: tuple[int, ...] = ()  # the pipeline rank of each virtual stage (default: stage s on s % pp)
-    schedule_options: tuple = ()  # what the schedule takes beyond its shape (trainer/plan/split.py: schedule_options)
-    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every sample
-    cp_kind: str = "ulysses"
-    ep: int = 1  # expert parallel: the MoE layers' tokens move to their experts' ranks and back
-    selective_policy: str = "all-matmuls"  # train.selective_policy: alternate-matmuls recomputes every other matmul
-    loss_chunks: int = 1  # train.loss_chunks: > 1 runs the head's matmul again in the backward
-
-
-@dataclass(frozen=True)
 class Timing:
     model_flops: float  # per step, all ranks: what MFU counts
     hardware_flops: float  # + recompute
@@ -186,7 +157,7 @@ class Timing:
     tokens_per_s: float
     mfu: float
     efficiency: float
-    sim: object | None = None  # the pipeline SimResult (times in milliseconds), for the timeline
+    bubble_rate: float = 0.0  # the pipeline's idle share of the step (0 without a pipeline)
     stage_s: tuple[float, ...] = ()  # compute of one microbatch (F + B + W) per virtual stage
     rank_s: tuple[float, ...] = ()  # the same per pipeline rank, its stages together
     cp_s: float = 0.0  # exposed context-parallel communication (Ulysses all-to-all, ring K/V passing)
@@ -194,16 +165,20 @@ class Timing:
     sim_args: tuple = ()  # (schedule, pp, microbatches, virtual_stages, Costs in ms, options): what `sim` ran, for --steps
     ep_s: float = 0.0  # expert parallel's all-to-alls (dispatch and combine), exposed
     ep_bytes: float = 0.0  # bytes one rank sends for expert parallel per step
+    overhead_s: float = 0.0  # seconds each pipeline action costs beyond its FLOPs (the calibration's)
+
+    @functools.cached_property
+    def sim(self):
+        """The pipeline's simulated step (a SimResult, times in milliseconds) for the timeline: replayed on demand
+        from sim_args (the step time itself comes from trainer/plan/schedule.py's makespan, equal to it)."""
+        from trainer.plan.schedule import simulate
+
+        return simulate(*self.sim_args) if self.sim_args else None
 
     @property
     def imbalance(self) -> float:
         """Slowest pipeline rank's compute / the mean (1.0: even; 1.0 without a pipeline)."""
         return max(self.rank_s) / (sum(self.rank_s) / len(self.rank_s)) if self.rank_s and sum(self.rank_s) else 1.0
-
-
-def _bandwidth(device, span: int) -> float:
-    """Per-GPU ring bandwidth of a group whose ranks spread over `span` consecutive ranks."""
-    return device.intra_gbps if span <= device.gpus_per_node else device.inter_gbps
 
 
 def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float], list[float], list[float]]:
@@ -223,6 +198,13 @@ def stage_times(x: Shape, device, rate: float, split: bool) -> tuple[list[float]
                 for s, n in enumerate(counts)]
 
     f, b, w = per_stage("f"), per_stage("b"), per_stage("w")
+    host = device.tp_host_flops * tp_linears(m) / rate if x.tp > 1 else 0.0  # per block and pass (devices.py)
+    if host:  # a forward (again under full recompute, in B and with a split backward in W too), B and W each
+        again = 2 if x.recompute == "full" else 1
+        root = device.tp_root_host_flops / 3 / rate  # the vocab-parallel embedding, head and loss, per pass
+        f = [fi + n * host + (root if s == last else 0.0) for s, (fi, n) in enumerate(zip(f, counts))]
+        b = [bi + n * host * again + (root if s == last else 0.0) for s, (bi, n) in enumerate(zip(b, counts))]
+        w = [wi + n * host * (again if split else 1) + (root if s == last else 0.0) for s, (wi, n) in enumerate(zip(w, counts))]
     if x.recompute == "selective":  # element-wise ops rebuilt: memory-bound, written once and read once
         b = [bi + n * 2 * x.rematerialized / (device.hbm_gbps * 1e9) for bi, n in zip(b, counts)]
         if split:
@@ -234,8 +216,8 @@ def data_parallel_comm(x: Shape, device, compute: float, bwd_last: float) -> flo
     """Exposed seconds of data-parallel communication per step: what the gradient reductions (and zero's
     parameter gathers) do not hide behind the last microbatch's backward (`bwd_last`) or, zero3, the compute."""
     grads = max(x.stage_params) * x.reduce_bytes
-    shard_bw = _bandwidth(device, x.tp * x.dp_shard)
-    rep_bw = _bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
+    shard_bw = bandwidth(device, x.tp * x.dp_shard)
+    rep_bw = bandwidth(device, x.tp * x.dp_shard * x.dp_replicate)
 
     def sharded_reduce() -> float:  # reduce-scatter over dp_shard, then the shard all-reduced over the replicas
         return ring_time(grads, x.dp_shard, shard_bw, "reduce_scatter") + ring_time(grads / x.dp_shard, x.dp_replicate, rep_bw, "all_reduce")
@@ -263,108 +245,103 @@ def data_parallel_comm(x: Shape, device, compute: float, bwd_last: float) -> flo
     return 0.0
 
 
-def predict(x: Shape, device, efficiency: float | None = None) -> Timing:
-    """The step time of one rank on `device` (see the module docstring)."""
+@dataclass(frozen=True)
+class Pipeline:
+    """The compute side of a step: what the stage costs and the schedule decide, not data parallel's dials."""
+
+    compute: float  # the busiest rank's compute, bubble excluded (pp = 1: at least the launch floor)
+    bubble: float
+    makespan: float  # seconds
+    bubble_rate: float
+    stage_s: tuple[float, ...]
+    rank_s: tuple[float, ...]
+    bwd_last: float  # the loss rank's last microbatch, forward + backward (what the reductions overlap)
+    sim_args: tuple
+
+
+# Shape fields the pipeline's time does not read: a search keys its memo (`predict(memo=)`) on all the others.
+NOT_PIPELINE = frozenset({"dp_replicate", "dp_shard", "sharding", "reduce_bytes", "stage_params", "owned_params",
+                          "bucket_share", "flops_per_token", "global_tokens", "cp_kind", "ep"})
+
+
+_PIPELINE_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in NOT_PIPELINE)
+
+
+def pipeline_key(x: Shape) -> tuple:
+    """What `pipeline_time` reads of a Shape (every field but NOT_PIPELINE's), for a memo of it."""
+    return tuple(getattr(x, f) for f in _PIPELINE_FIELDS)
+
+
+def pipeline_time(x: Shape, device, rate: float, overhead: float = 0.0) -> Pipeline:
+    """The stage costs at `rate` FLOP/s (+ `overhead` seconds per pipeline action) through the schedule: the
+    busiest rank's compute and the bubble (trainer/plan/schedule.py: the makespan, equal to the simulator's)."""
     from trainer.parallel.pipeline import Costs
     from trainer.parallel.pipeline.schedules import SCHEDULES
-    from trainer.plan.schedule import simulate
+    from trainer.plan.schedule import step_makespan
 
-    m = x.model
-    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
-    rate = device.peak_tflops * 1e12 * eff
-    mb_tokens = x.micro_batch * m.seq_len / x.cp  # a cp rank's tokens; each attends over the whole sequence
-    counts = x.stage_layers or (m.layers,)
+    counts = x.stage_layers or (x.model.layers,)
     owner = x.stage_rank or tuple(s % x.pp for s in range(len(counts)))
-    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward  # B and W each recompute a checkpointed block
+    split = x.pp > 1 and SCHEDULES.get(x.schedule).split_backward
     f, b, w = stage_times(x, device, rate, split)
+    if x.pp > 1 and overhead:  # each action, F, B and W (or a fused BW), pays it once
+        f, b = [t + overhead for t in f], [t + overhead for t in b]
+        w = [t + overhead for t in w] if split else w
     rank_f = [sum(t for t, r in zip(f, owner) if r == q) for q in range(x.pp)]
     rank_b = [sum(t for t, r in zip(b, owner) if r == q) for q in range(x.pp)]
     stage_s = tuple(sum(t) for t in zip(f, b, w))
     rank_s = tuple(sum(t for t, r in zip(stage_s, owner) if r == q) for q in range(x.pp))
     e = 2 if x.bf16 else 4
-    act_bytes = mb_tokens * m.dim * e / x.tp
-    p2p = act_bytes / (_bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
+    act_bytes = x.micro_batch * x.model.seq_len / x.cp * x.model.dim * e / x.tp
+    p2p = act_bytes / (bandwidth(device, x.world) * 1e9) if x.pp > 1 else 0.0
     name, v = (x.schedule, x.virtual_stages) if x.pp > 1 else ("1f1b", 1)
-    ms = [[1e3 * t for t in ts] for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
+    ms = [tuple(1e3 * t for t in ts) for ts in (f, b, w)]  # the simulation runs in milliseconds (the timeline's unit)
     sim_args = (name, x.pp, x.microbatches, v, Costs(f=ms[0], b=ms[1], w=ms[2], comm=1e3 * p2p),
                 x.schedule_options if x.pp > 1 else ())
-    sim = simulate(*sim_args)
-    compute = max(sim.busy) / 1e3  # pp = 1: microbatches back to back, no bubble
-    bubble = sim.makespan / 1e3 - compute
+    makespan, busy = step_makespan(*sim_args)
+    compute = max(busy) / 1e3  # pp = 1: microbatches back to back, no bubble
+    bubble = makespan / 1e3 - compute
     if x.pp == 1:
         ops = x.microbatches * (max(x.rank_layers) * OPS_PER_BLOCK + OPS_HEAD)
         compute = max(compute, ops * LAUNCH_FLOOR_S["gpu" if device.is_gpu else "cpu"])
-    # tensor parallel: 2 collectives in the forward, 2 in the backward per block and microbatch (+2 to recompute)
-    per_block = (6 if x.recompute == "full" else 4) * ring_time(mb_tokens * m.dim * e, x.tp, _bandwidth(device, x.tp), "all_reduce")
-    tp_s = max(x.rank_layers) * x.microbatches * per_block
-    bwd_last = rank_f[owner[-1]] + rank_b[owner[-1]]  # the loss rank's last microbatch, which the reductions overlap
-    exposed = data_parallel_comm(x, device, compute, bwd_last)
+    idle = 1.0 - sum(busy) / (x.pp * makespan) if makespan else 0.0
+    return Pipeline(compute, bubble, makespan / 1e3, idle, stage_s, rank_s,
+                    rank_f[owner[-1]] + rank_b[owner[-1]], sim_args)
+
+
+def predict(x: Shape, device, efficiency: float | None = None, overhead: float = 0.0,
+            memo: dict | None = None) -> Timing:
+    """The step time of one rank on `device` (see the module docstring). `overhead`: seconds each pipeline action
+    costs beyond its FLOPs (`mantra plan --calibrate`). `memo`: a dict a search keeps for its candidates, which
+    holds each distinct pipeline's time (pipeline_key) so a layout that differs only in data parallel reuses it."""
+    m = x.model
+    eff = efficiency if efficiency is not None else (EFFICIENCY if device.is_gpu else CPU_EFFICIENCY)
+    rate = device.peak_tflops * 1e12 * eff * device.rank_share(x.world)
+    key = (pipeline_key(x), rate, overhead) if memo is not None else None
+    pipe = memo.get(key) if memo is not None else None
+    if pipe is None:
+        pipe = pipeline_time(x, device, rate, overhead)
+        if memo is not None:
+            memo[key] = pipe
+    e = 2 if x.bf16 else 4
+    tp_s = tensor_parallel_comm(x, device)
+    exposed = data_parallel_comm(x, device, pipe.compute, pipe.bwd_last)
     optimizer = 28 * x.owned_params / (device.hbm_gbps * 1e9)
     cp_s, cp_bytes = context_comm(x, device, e, rate)
     ep_s, ep_bytes = expert_comm(x, device, e)
-    step = compute + bubble + tp_s + exposed + optimizer + cp_s + ep_s
+    step = pipe.compute + pipe.bubble + tp_s + exposed + optimizer + cp_s + ep_s
     model = x.flops_per_token * x.global_tokens
+    split = x.pp > 1 and _split_backward(x.schedule)  # B and W each recompute a checkpointed block
     hardware = model + (block_forward_flops(m, x.global_tokens) * (2 if split else 1) if x.recompute == "full" else 0.0)
     # alternate-matmuls' recomputed matmuls and a chunked loss's head, run again in B (and in W when split)
     reruns = m.layers * act.recomputed_matmul_flops(m, x.selective_policy) if x.recompute == "selective" else 0.0
     reruns += head_forward_flops(m, 1) + LOSS_FLOPS_PER_LOGIT[0] * m.vocab if x.loss_chunks > 1 else 0.0
     hardware += x.global_tokens * reruns * (2 if split else 1)
-    return Timing(model, hardware, compute, bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
-                  model / (step * device.peak_tflops * 1e12 * x.world), eff, sim, stage_s, rank_s, cp_s, cp_bytes, sim_args,
-                  ep_s, ep_bytes)
+    return Timing(model, hardware, pipe.compute, pipe.bubble, tp_s, exposed, optimizer, step, x.global_tokens / step,
+                  model / (step * device.peak_tflops * 1e12 * x.world), eff, pipe.bubble_rate, pipe.stage_s, pipe.rank_s,
+                  cp_s, cp_bytes, pipe.sim_args, ep_s, ep_bytes, overhead)
 
 
-def expert_comm(x: Shape, device, e: int) -> tuple[float, float]:
-    """(exposed seconds, bytes sent) of expert parallel per step on the busiest pipeline rank: its MoE blocks'
-    all-to-alls (moe_all_to_all_bytes), each on the critical path (a layer's experts wait for their tokens),
-    over the ep ranks, which sit tp apart."""
-    if x.ep <= 1:
-        return 0.0, 0.0
-    m = x.model
-    tokens = x.micro_batch * m.seq_len / x.cp * x.microbatches
-    sent = moe_all_to_all_bytes(m, tokens, x.ep, e, recompute=x.recompute) * max(x.rank_layers) / max(m.layers, 1)
-    return sent / (_bandwidth(device, x.tp * x.ep) * 1e9), sent
+def _split_backward(schedule: str) -> bool:
+    from trainer.parallel.pipeline.schedules import SCHEDULES
 
-
-def context_comm(x: Shape, device, e: int, rate: float) -> tuple[float, float]:
-    """(exposed seconds, bytes sent) of context parallel per step on one rank (trainer/parallel/context/).
-
-    Ulysses: per block and microbatch, all-to-alls of q, k, v and the attention output in the forward and of
-    their gradients in the backward (again in a full-recompute backward); each sends (cp-1)/cp of the rank's
-    tensor and waits for it: all exposed. Ring: cp-1 K/V blocks forward, K/V again plus the fp32 dK/dV one
-    hop behind in the backward; each transfer is posted before the current block computes, so only what a
-    block's attention does not cover is exposed."""
-    if x.cp == 1:
-        return 0.0, 0.0
-    m, cp = x.model, x.cp
-    tok = x.micro_batch * m.seq_len / cp  # a rank's tokens of one microbatch
-    q = tok * m.dim / x.tp
-    kv = tok * max(m.kv_heads, cp if x.cp_kind == "ulysses" else 1) * m.head_dim / x.tp
-    passes = x.microbatches * max(x.rank_layers)
-    bw = _bandwidth(device, x.tp * cp) * 1e9
-    if x.cp_kind == "ulysses":
-        per = (cp - 1) / cp * e * (2 * q + 2 * kv) * (3 if x.recompute == "full" else 2)
-        return passes * per / bw, passes * per
-    block = 2 * kv * e  # one K/V block
-    sent = (cp - 1) * (block + block + 2 * kv * 4)  # forward K/V, backward K/V and the fp32 dK/dV
-    attention = 3 * 4 * tok * (m.seq_len / cp) * m.dim / x.tp / 2 / rate  # one block's causal scores, fwd + bwd
-    exposed = max(sent / bw - (cp - 1) * attention, 0.0)
-    return passes * exposed, passes * sent
-
-
-def moe_all_to_all_bytes(m: PlanModel, tokens: float, ep: int, e: int, layers=None, recompute: str = "none") -> float:
-    """Bytes one rank sends for expert parallel per step: in each MoE block it runs (`layers`, default all),
-    each of its `tokens` tokens of the step goes to top_k experts (dispatch) and comes back (combine), in the
-    forward and, as gradients, in the backward; (ep-1)/ep of the experts sit on other ranks (routing taken
-    as uniform), e bytes per element:
-
-        per MoE block  4 · tokens · top_k · dim · e · (ep - 1) / ep
-
-    Recompute runs the block's forward again in the backward, its all-to-alls included (selective keeps
-    matmul outputs, not what was received): 6 instead of 4. Dense blocks send nothing."""
-    if ep <= 1 or not m.moe:
-        return 0.0
-    passes = 6 if recompute in ("full", "selective") else 4
-    blocks = range(m.layers) if layers is None else layers
-    k = sum(m.moe[i].top_k for i in blocks if m.moe[i] is not None)
-    return passes * tokens * k * m.dim * e * (ep - 1) / ep
+    return SCHEDULES.get(schedule).split_backward

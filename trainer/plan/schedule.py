@@ -1,6 +1,7 @@
 """The pipeline schedules as plan reads them: compute-only action lists, cached (torch-free).
 
-`mantra plan --search` looks at hundreds of layouts; each schedule shape is generated once.
+`mantra plan --search` looks at thousands of layouts; each schedule shape is generated and compiled once, and
+`step_makespan` gives a step's time without replaying it (analysis/makespan.py, equal to the simulator's).
 The lists are trainer.parallel.pipeline's own (the runtime and the timeline read the same); what a
 run's schedule takes beyond its shape (zb-auto's costs) is trainer/plan/split.py's `schedule_options`.
 """
@@ -11,13 +12,14 @@ import functools
 
 from trainer.parallel.pipeline import Action, Costs, SimResult, StageLayout, compute_order, simulate_ranks
 from trainer.parallel.pipeline.schedules import SCHEDULES
+from trainer.parallel.pipeline.analysis.makespan import CompiledStep, compile_lists
 from trainer.parallel.pipeline.analysis.steps import StepsResult, simulate_steps
 
 
 Options = tuple[tuple[str, object], ...]  # a schedule's keyword options, hashable (zb-auto: costs, max_inflight)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=64)  # a shape's lists are read three times in a row (moments, validation, compile)
 def lists(name: str, pp: int, microbatches: int, virtual_stages: int, options: Options = ()) -> tuple[tuple[Action, ...], ...]:
     """Per pipeline rank, the compute actions (F, B, W, BW) in the order they run."""
     return tuple(tuple(r) for r in compute_order(name, pp, microbatches, virtual_stages, **dict(options)))
@@ -31,6 +33,21 @@ def simulate(name: str, pp: int, microbatches: int, virtual_stages: int, costs: 
     """One step on the clock (async p2p: a transfer takes costs.comm after its producer ends)."""
     return simulate_ranks(lists(name, pp, microbatches, virtual_stages, options), layout(name, pp, virtual_stages), costs,
                           name=name, microbatches=microbatches)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(name: str, pp: int, microbatches: int, virtual_stages: int, options: Options = ()) -> CompiledStep:
+    """The schedule's lists compiled into their dependency order (analysis/makespan.py), once per shape."""
+    return compile_lists(lists(name, pp, microbatches, virtual_stages, options), layout(name, pp, virtual_stages))
+
+
+@functools.lru_cache(maxsize=16384)
+def step_makespan(name: str, pp: int, microbatches: int, virtual_stages: int, costs: Costs,
+                  options: Options = ()) -> tuple[float, tuple[float, ...]]:
+    """(makespan, busy time per rank) of one step: what simulate() says, to the last bit, without replaying it
+    (the compiled dependency order, evaluated once per distinct costs: `plan --search` asks for the same
+    pipeline under every data-parallel layout). `costs` must be hashable (tuples, not lists)."""
+    return compiled(name, pp, microbatches, virtual_stages, options).evaluate(costs)
 
 
 def simulate_many(timing, steps: int, *, overlap: bool = False) -> StepsResult:

@@ -1,53 +1,52 @@
-"""`mantra plan --search`: the fastest layouts that fit, each as `--set` overrides that validate.
+"""`mantra plan --search`: the fastest layouts that fit, and the Pareto front of memory against throughput.
 
-    found = search("manifests/llama3-8b.yaml", gpus=64, gpu_mem=80, device="h100")
+    found = search("manifests/llama3-70b.yaml", gpus=256, gpu_mem=80, device="h100", pins={"tp": 8})
     for c in found.best:                 # at most `top`, fastest first, every one fits
         print(c.set_line, c.estimate.timing.step_s)
+    found.front                          # fitting layouts no other beats on both step time and peak memory
+    found.counts                         # candidates, pruned by the memory bound, by the time bound, evaluated, fit
 
-Enumerates dp_replicate x dp_shard x tp (with sequence parallel) x ep (MoE kinds) x pp x schedule x
-micro_batch x recompute x optimizer_sharding x stage split (uniform where the layers
-divide, and `stage_layers: balanced` with a pipeline, so a pp that does not divide
-the layers is tried too) for the given number of GPUs, keeping the manifest's global
-batch; a balanced split that comes out uniform counts once. Each candidate goes through the manifest's own
-validation (schema, cross-field rules, resolve) exactly as `--set` overrides on
-the file would, so a suggestion that is printed is one `mantra validate` accepts;
-the winners are validated once more through `load_manifest` itself. Candidates
-are ranked by predicted step time among those whose predicted peak fits.
+Every dial a manifest has is searched (space.py; `pins` fixes some, `--fix parallel.tp=8`). A candidate goes
+through the manifest's own rules on plain values, then:
+
+1. its memory lower bound (bounds.py): above the capacity, it cannot fit (pruned by memory);
+2. the rest in order of their time lower bound: a candidate is evaluated exactly (evaluate.py: the plan's own
+   functions, straight from the plan model) unless its bound is beyond the N-th fastest fitting layout found
+   so far *and* a fitting layout found so far is faster than its bound with no more memory than its memory
+   bound (then it is neither among the N fastest nor on the front: pruned by time).
+
+So the result is the one an exhaustive evaluation of every candidate gives, ranked by (step time, peak,
+dials) and fronted the same way (tests/test_plan_search.py compares both on every shipped manifest). The
+winners' `--set` lines are validated once more through `load_manifest` itself.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import itertools
+import bisect
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from trainer.manifest import ManifestError, Resolved, load_manifest
-from trainer.manifest.resolve import Unresolvable, resolve
-from trainer.manifest.rules import check
-from trainer.manifest.schema import LauncherKind
-from trainer.manifest.extends import load_tree
-from trainer.manifest.source import SourceTree, apply_override
-from trainer.manifest.validate import validate_schema
-from trainer.plan.split import stage_counts
+from trainer.manifest.resolve import Unresolvable
+from trainer.plan.bounds import Bounds
 from trainer.plan.devices import Device, get_device, usable_bytes
-from trainer.plan.estimate import Estimate, estimate, fits_memory
-from trainer.plan.kinds import plan_of
-from trainer.plan.model import PlanModel
+from trainer.plan.dials import Dials
+from trainer.plan.efficiency import Calibration
+from trainer.plan.estimate import Estimate, assemble, calibration_of, setup_of
+from trainer.plan.evaluate import Evaluator, world_overrides
+from trainer.plan.space import Space
+from trainer.plan.split import stage_counts
 
-SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2))
-RECOMPUTE = ("none", "selective", "full")
-MAX_TP = 8  # tensor parallel stays inside a node
+INF = float("inf")
 
 
 @dataclass(frozen=True)
 class Candidate:
     overrides: tuple[str, ...]
     estimate: Estimate
+    dials: Dials | None = None
 
     @property
     def set_line(self) -> str:
@@ -57,177 +56,214 @@ class Candidate:
 @dataclass(frozen=True)
 class SearchResult:
     best: tuple[Candidate, ...]
-    tried: int  # layouts enumerated
-    valid: int  # that passed the manifest's validation
-    fitting: int  # whose predicted peak fits
+    tried: int  # candidates: layouts the rules accept on plain values
+    valid: int  # of them, not refused when the whole layout was checked before its evaluation
+    fitting: int  # evaluated layouts that fit (the pruned ones are not counted)
+    front: tuple[Candidate, ...] = ()  # the Pareto front of peak memory against step time, fastest first
+    counts: dict[str, object] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@dataclass(frozen=True, order=True)
+class _Fit:
+    step: float
+    peak: float
+    dials: Dials
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse(override: str) -> tuple[tuple[str, ...], object]:
-    """`section.key=value` -> (path, value), the value read as YAML as `--set` reads it. Cached: a search
-    sets the same few hundred strings on thousands of layouts, and yaml.safe_load took a tenth of its time.
-    (Values are scalars, so sharing one between layouts is safe.)"""
-    key, _, raw = override.partition("=")
-    return tuple(key.split(".")), yaml.safe_load(raw)
+class Staircase:
+    """The fitting layouts found so far, by step time: is one faster than `step` with no more than `peak`?"""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.least: list[float] = []  # least peak among the layouts up to and including each position
+
+    def add(self, step: float, peak: float) -> None:
+        i = bisect.bisect_right(self.steps, step)
+        self.steps.insert(i, step)
+        self.least.insert(i, min(peak, self.least[i - 1]) if i else peak)
+        for j in range(i + 1, len(self.least)):
+            if self.least[j] <= self.least[j - 1]:
+                break
+            self.least[j] = self.least[j - 1]
+
+    def beats(self, step: float, peak: float) -> bool:
+        i = bisect.bisect_left(self.steps, step)  # the layouts strictly faster than `step`
+        return i > 0 and self.least[i - 1] <= peak
 
 
-def _validate(tree: SourceTree, overrides: Sequence[str], source: str) -> Resolved | None:
-    """The manifest's own schema validation, cross-field rules and resolve on the parsed file with `overrides`
-    set: the resolved run, or None when it does not validate. (The suggestions printed are validated once
-    more through load_manifest with the --set strings themselves.)"""
-    data = copy.deepcopy(tree.data)
-    for path, value in map(_parse, overrides):
-        section = data
-        for part in path[:-1]:
-            section = section.setdefault(part, {})
-        section[path[-1]] = value
-    t = SourceTree(data, tree.source, tree.key_locations, tree.value_locations)
-    try:
-        manifest, errors = validate_schema(t)
-        if manifest is None or any(d.severity == "error" for d in check(manifest, t, data_files=False)):
-            return None
-        return resolve(manifest, source)
-    except (ManifestError, Unresolvable):
+def layouts(base: Resolved, gpus: int, device: Device, pins: dict | None = None) -> Iterator[list[str]]:
+    """Every candidate as `--set` lines (the world first, then the dials; space.py)."""
+    world = world_overrides(base, gpus, device)
+    for d in Space(base, gpus, device, dict(pins or {})).layouts():
+        yield world + d.overrides()
+
+
+def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device: Device | str = "h100",
+           overrides: Sequence[str] = (), top: int = 5, efficiency: float | None = None,
+           calibration: Calibration | None = None, pins: dict | None = None,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """The `top` fastest layouts of `path` on `gpus` devices that fit in `gpu_mem` GiB each, and the Pareto
+    front (module docstring). `progress(done, total)` is called as candidates are taken (`--search` draws it)."""
+    started = time.perf_counter()
+    device = get_device(device) if isinstance(device, str) else device
+    base, _ = load_manifest(path, overrides, data_files=False)
+    calib = calibration_of(base, device, efficiency, calibration)
+    capacity = usable_bytes(device, gpu_mem)
+    space = Space(base, gpus, device, dict(pins or {}))
+    bounds, ev = Bounds(base, gpus, device, calib), Evaluator(base, gpus, device, calib)
+    queue, pruned_memory = [], 0
+    repeats = 0
+    for d in space.layouts():
+        if d.stage_layers == "balanced" and bounds.uniform_choice(d):  # the uniform layout, a candidate already
+            repeats += 1
+            continue
+        if bounds.states(d) > capacity:  # its degrees and sharding cannot fit, whatever else
+            pruned_memory += 1
+            continue
+        lm = bounds.memory(d, capacity)
+        if lm > capacity:
+            pruned_memory += 1
+            continue
+        queue.append((bounds.time(d), lm, d))
+    queue.sort()
+    tally = {"candidates": len(queue) + pruned_memory, "pruned_memory": pruned_memory, "pruned_time": 0,
+             "refused": 0, "repeats": repeats, "evaluated": 0, "fit": 0}
+    if progress:
+        progress(0, tally["candidates"])
+    fits = _walk(queue, ev, capacity, top, tally, _shifted(progress, pruned_memory, tally["candidates"]))
+    tally |= {"refused_by_rules": dict(space.rejected), "seconds": time.perf_counter() - started}
+    best = _confirmed(path, overrides, base, gpus, device, ev, sorted(fits)[:top], gpu_mem, calib, fits)
+    front = _pareto(sorted(fits))
+    front_c = tuple(_candidate(base, gpus, device, ev, f, gpu_mem, calib, fits[f]) for f in front)
+    tried = tally["candidates"]
+    return SearchResult(tuple(best), tried, tried - tally["refused"], tally["fit"], front_c, tally, calib)
+
+
+def _walk(queue: list, ev: Evaluator, capacity: float, top: int, tally: dict,
+          progress: Callable[[int, int], None] | None) -> dict[_Fit, tuple]:
+    """Evaluate the candidates in order of their time bound, skipping those the bounds rule out (module
+    docstring); {fitting layout: (its run's Timing, memory rows)}."""
+    fits: dict[_Fit, tuple] = {}
+    fastest: list[_Fit] = []  # the `top` fastest fitting so far
+    stairs = Staircase()
+    total = len(queue)
+    for i, (lt, lm, d) in enumerate(queue):
+        if progress and (i % 256 == 0):
+            progress(i, total)
+        nth = fastest[-1].step if len(fastest) >= top else INF
+        if lt > nth and stairs.beats(lt, lm):
+            tally["pruned_time"] += 1
+            continue
+        run = ev.run(d)
+        if ev.refuses(run):
+            tally["refused"] += 1
+            continue
+        if d.stage_layers == "balanced" and _uniform(run):  # the uniform layout, already a candidate
+            tally["repeats"] += 1
+            continue
+        timing = ev.timing(run)
+        _check_bound("step time", timing.step_s, lt, d)
+        if timing.step_s > nth and stairs.beats(timing.step_s, lm):
+            tally["pruned_time"] += 1
+            continue
+        tally["evaluated"] += 1
+        rows = ev.rows(run, *ev.cut(run), capacity)
+        if rows is None:
+            continue
+        peak = max(r.peak for r in rows)
+        _check_bound("peak memory", peak, lm, d)
+        fit = _Fit(timing.step_s, peak, d)
+        fits[fit] = (timing, rows)
+        tally["fit"] += 1
+        stairs.add(fit.step, fit.peak)
+        bisect.insort(fastest, fit)
+        del fastest[top:]
+    if progress:
+        progress(total, total)
+    return fits
+
+
+def _shifted(progress: Callable[[int, int], None] | None, done: int, total: int) -> Callable[[int, int], None] | None:
+    """The walk's progress over the whole search: the candidates the memory bound pruned are done already."""
+    if progress is None:
         return None
+    return lambda i, _: progress(done + i, total)
 
 
-def _plausible(pm: PlanModel, tp: int, pp: int, v: int, microbatches: int, schedule: str) -> bool:
-    """Arithmetic every layout must pass (a cheap filter before the real validation, which decides)."""
-    if pm.tp_multiple % tp or pm.seq_len % tp:  # heads, kv heads and every tensor-parallel dim; the sequence
-        return False
-    if pm.layers < pp * v:
-        return False
-    if pp > 1 and (microbatches < pp or (schedule == "interleaved-1f1b" and microbatches % pp)):
-        return False
-    return True
+def _uniform(run: Resolved) -> bool:
+    p = run.manifest.parallel
+    counts = stage_counts(run)
+    return len(set(counts)) == 1 and counts[0] * p.pp * p.virtual_stages == run.manifest.model.layers
 
 
-def _changes(base: Resolved, overrides: Sequence[str]) -> list[str]:
+def _check_bound(what: str, exact: float, bound: float, d: Dials) -> None:
+    if bound > exact:
+        raise RuntimeError(f"the search's {what} bound {bound!r} exceeds the plan's {exact!r} for {d}; "
+                           "trainer/plan/bounds.py no longer bounds the plan")
+
+
+def _pareto(ranked: list[_Fit]) -> list[_Fit]:
+    """Of layouts sorted by (step, peak, dials), those no faster-or-equal one matches on memory: the front."""
+    out, least = [], INF
+    for f in ranked:
+        if f.peak < least:
+            out.append(f)
+            least = f.peak
+    return out
+
+
+def _candidate(base: Resolved, gpus: int, device: Device, ev: Evaluator, f: _Fit, gpu_mem: float | None,
+               calib: Calibration, found: tuple) -> Candidate:
+    """The fitting layout as the plan prints it, with the `--set` lines that change the manifest."""
+    timing, rows = found
+    run = ev.run(f.dials)
+    from trainer.plan.estimate import cut_of
+
+    cut = cut_of(run, device)
+    setups = tuple(setup_of(run, device, cut, r) for r in range(f.dials.pp))
+    plan = assemble(run, device, rows, setups, timing, calib, gpu_mem)
+    return Candidate(tuple(changes(base, world_overrides(base, gpus, device) + full_overrides(base, f.dials))), plan,
+                     f.dials)
+
+
+def full_overrides(base: Resolved, d: Dials) -> list[str]:
+    """The dials' `--set` lines, and what a schedule other than zb-auto must leave unset."""
+    extra = []
+    if d.schedule != "zb-auto":
+        p = base.manifest.parallel
+        extra = [f"parallel.{k}=null" for k in ("max_inflight", "schedule_costs") if getattr(p, k) is not None]
+    return d.overrides() + extra
+
+
+def _confirmed(path, overrides: Sequence[str], base: Resolved, gpus: int, device: Device, ev: Evaluator,
+               ranked: list[_Fit], gpu_mem: float | None, calib: Calibration, fits: dict) -> list[Candidate]:
+    """The winners, each validated through load_manifest with the very `--set` lines printed."""
+    out = []
+    for f in ranked:
+        c = _candidate(base, gpus, device, ev, f, gpu_mem, calib, fits[f])
+        try:
+            load_manifest(path, [*overrides, *c.overrides], data_files=False)
+        except (ManifestError, Unresolvable):
+            continue
+        out.append(c)
+    return out
+
+
+def changes(base: Resolved, overrides: Sequence[str]) -> list[str]:
     """The overrides that change what the file says (setting a key to the value it has is a no-op)."""
+    import yaml
+
     written = base.manifest.model_dump(mode="json")
     out = []
     for o in overrides:
-        path, value = _parse(o)
+        key, _, raw = o.partition("=")
+        value = yaml.safe_load(raw)
         current = written
-        for part in path:
+        for part in key.split("."):
             current = current.get(part) if isinstance(current, dict) else None
         if isinstance(current, list):
             current = list(current)
         if current != value:
             out.append(o)
     return out
-
-
-def _world(base: Resolved, gpus: int, device: Device) -> list[str] | None:
-    """Overrides that give the run `gpus` ranks: Slurm nodes of up to a node's GPUs, or local ranks."""
-    if base.manifest.launcher.kind == LauncherKind.slurm:
-        per_node = min(device.gpus_per_node, gpus)
-        if gpus % per_node:
-            return None
-        return [f"launcher.slurm.nodes={gpus // per_node}", f"launcher.slurm.gpus_per_node={per_node}"]
-    return [f"launcher.nproc={gpus}"]
-
-
-def _splits(layers: int, pp: int, v: int) -> list[str]:
-    """The stage splits to try: uniform where the layers divide, and balanced (trainer/parallel/pipeline/analysis/balance.py) with a pipeline."""
-    out = ["null"] if layers % (pp * v) == 0 else []
-    return out + (["balanced"] if pp > 1 else [])
-
-
-def _eps(pm: PlanModel, dp: int) -> list[int]:
-    """Expert-parallel degrees to try: those that divide both the data-parallel ranks and every MoE block's
-    experts; [0] (no ep override) for a dense model."""
-    experts = [m.experts for m in pm.moe if m is not None]
-    if not experts:
-        return [0]
-    return [d for d in _divisors(dp) if all(e % d == 0 for e in experts)]
-
-
-def layouts(base: Resolved, gpus: int, device: Device) -> Iterator[list[str]]:
-    """Every layout to try, as --set overrides (the world first, then the parallel degrees and the batch)."""
-    m = base.manifest
-    cfg, g = m.model, base.batch.global_batch
-    pm = plan_of(cfg)
-    world = _world(base, gpus, device)
-    if world is None:
-        return
-    for tp in [t for t in _divisors(gpus) if t <= min(MAX_TP, device.gpus_per_node)]:
-        for pp in [p for p in _divisors(gpus // tp) if pm.layers >= p]:
-            dp = gpus // (tp * pp)
-            if g % dp:
-                continue
-            schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
-            for sharding in ("none", "zero1", "zero2", "zero3"):
-                if sharding == "zero3" and pp > 1:  # runs (fsdp.py) at about zero1's peak with more traffic: not searched
-                    continue
-                shards = {1} if sharding == "none" or dp == 1 else {dp, min(dp, max(device.gpus_per_node // tp, 1))}
-                for shard in sorted(s for s in shards if dp % s == 0):
-                    for name, v in schedules:
-                        for mb in [d for d in _divisors(g // dp) if d <= 64]:
-                            if not _plausible(pm, tp, pp, v, g // (mb * dp), name):
-                                continue
-                            for rc, split, ep in itertools.product(RECOMPUTE, _splits(pm.layers, pp, v), _eps(pm, dp)):
-                                yield world + ([f"parallel.ep={ep}"] if ep else []) + [
-                                    f"parallel.dp_replicate={dp // shard}", f"parallel.dp_shard={shard}",
-                                    f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
-                                    f"parallel.pp={pp}", f"parallel.schedule={name}", f"parallel.virtual_stages={v}",
-                                    f"parallel.stage_layers={split}", f"parallel.optimizer_sharding={sharding}",
-                                    f"train.global_batch={g}", f"train.micro_batch={mb}",
-                                    f"parallel.microbatches={g // (mb * dp)}", f"train.activation_checkpointing={rc}",
-                                ]
-
-
-def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device: Device | str = "h100",
-           overrides: Sequence[str] = (), top: int = 5, efficiency: float | None = None,
-           progress: Callable[[int, int], None] | None = None) -> SearchResult:
-    """The `top` fastest layouts of `path` on `gpus` devices that fit in `gpu_mem` GiB each (see the module
-    docstring). `progress(done, total)` is called as layouts are tried (`mantra plan --search` draws it)."""
-    device = get_device(device) if isinstance(device, str) else device
-    base, _ = load_manifest(path, overrides, data_files=False)
-    tree = load_tree(path)
-    for o in overrides:
-        apply_override(tree, o)
-    tree = SourceTree(tree.data, tree.source)  # locations are not needed to accept or reject
-    tried = valid = 0
-    capacity = usable_bytes(device, gpu_mem)
-    fitting: list[Candidate] = []
-    seen: set[tuple] = set()
-    total = sum(1 for _ in layouts(base, gpus, device)) if progress else 0  # enumerating alone is cheap
-    if progress:
-        progress(0, total)
-    for extra in layouts(base, gpus, device):
-        tried += 1
-        if progress and (tried % 50 == 0 or tried == total):
-            progress(tried, total)
-        run = _validate(tree, extra, str(path))
-        if run is None:
-            continue
-        p = run.manifest.parallel
-        counts = stage_counts(run) if p.pp > 1 else ()  # a balanced split equal to the uniform one is a repeat
-        key = (run.dp_replicate, run.dp_shard, p.tp, p.ep, p.pp, p.schedule, p.virtual_stages, p.optimizer_sharding,
-               run.batch.micro_batch, run.manifest.train.activation_checkpointing, counts)
-        if key in seen:
-            continue
-        seen.add(key)
-        valid += 1
-        if not fits_memory(run, device, capacity):  # memory first: most layouts stop here, before the time model
-            continue
-        plan = estimate(run, device, capacity_gib=gpu_mem, efficiency=efficiency, compare=False)
-        if plan.fits:
-            fitting.append(Candidate(tuple(extra), plan))
-    fitting.sort(key=lambda c: (c.estimate.timing.step_s, c.estimate.peak))
-    best = []
-    for c in fitting:
-        if len(best) == top:
-            break
-        line = _changes(base, c.overrides)
-        try:
-            load_manifest(path, [*overrides, *line], data_files=False)  # the real entry point, with the very --set strings printed
-        except (ManifestError, Unresolvable):
-            continue
-        best.append(Candidate(tuple(line), c.estimate))
-    return SearchResult(tuple(best), tried, valid, len(fitting))

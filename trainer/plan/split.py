@@ -44,20 +44,21 @@ def simulated_step(schedule: str, layout: StageLayout, microbatches: int, cfg: M
                    recompute: str = "none") -> Callable[[Sequence[int]], float]:
     """A judge for `balance`: the makespan of one step of `schedule` (the simulator, no communication)
     with each stage's F, B and W from the plan's FLOP model (trainer/plan/flops.py)."""
-    from trainer.parallel.pipeline.schedules import SCHEDULES, compute_order
-    from trainer.parallel.pipeline.analysis.simulate import Costs, simulate_ranks
+    from trainer.parallel.pipeline.analysis.simulate import Costs
+    from trainer.parallel.pipeline.schedules import SCHEDULES
     from trainer.plan.flops import block_pass_flops, head_pass_flops
     from trainer.plan.kinds import plan_of
+    from trainer.plan.schedule import compiled
 
     pm = plan_of(cfg)
     blk, head = block_pass_flops(pm, recompute, SCHEDULES.get(schedule).split_backward), head_pass_flops(pm)
-    lists = compute_order(schedule, layout.pp, microbatches, layout.virtual_stages)
+    step = compiled(schedule, layout.pp, microbatches, layout.virtual_stages)  # the same lists, once per shape
 
-    def makespan(counts: Sequence[int]) -> float:
+    def makespan(counts: Sequence[int]) -> float:  # the simulator's makespan (analysis/makespan.py: equal to it)
         last = len(counts) - 1
         per = [[c * getattr(blk, k) + (getattr(head, k) if s == last else 0.0) for s, c in enumerate(counts)]
                for k in ("f", "b", "w")]
-        return simulate_ranks(lists, layout, Costs(f=per[0], b=per[1], w=per[2])).makespan
+        return step.evaluate(Costs(f=per[0], b=per[1], w=per[2]))[0]
 
     return makespan
 

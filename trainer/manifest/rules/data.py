@@ -44,10 +44,14 @@ def data_files(m: Manifest) -> Iterator[Finding]:
 def document_mask_layouts(m: Manifest) -> Iterator[Finding]:
     """data.document_mask reaches attention through the model's forward: not through a pipeline stage's
     or a context-parallel core's yet."""
-    p = m.parallel
-    if m.data.document_mask and p.cp > 1:
+    yield from document_mask_of(m.data.document_mask, m.parallel.cp, m.parallel.pp)
+
+
+def document_mask_of(document_mask: bool, cp: int, pp: int) -> Iterator[Finding]:
+    """document_mask_layouts on plain values (`mantra plan --search` calls it on its candidates' values)."""
+    if document_mask and cp > 1:
         yield Finding("data.document_mask", "not supported yet: document masking with context parallel (the ring "
                       "and Ulysses cores take no mask); set document_mask: false or cp: 1")
-    if m.data.document_mask and p.pp > 1:
+    if document_mask and pp > 1:
         yield Finding("data.document_mask", "not supported yet: document masking with pipeline parallel (the "
                       "stages pass no mask along); set document_mask: false or pp: 1")

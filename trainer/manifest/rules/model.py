@@ -1,5 +1,7 @@
 """Rules of the model kind: its own checks, what it supports (ModelSpec.capabilities, ModelSpec.pipeline),
 what the trainer does not support yet whatever the kind, and what the installed torch can run.
+capabilities_of and not_supported_of are model_capabilities and not_supported_yet on plain values
+(`mantra plan --search` calls them on its candidates' values).
 
     data.document_mask: model.kind tinygpt does not support document masks; set false or use a kind that does
 """
@@ -46,26 +48,33 @@ def model_capabilities(m: Manifest) -> Iterator[Finding]:
     spec = spec_of(m)
     if spec is None:
         return
-    can, p, train = spec.capabilities, m.parallel, m.train
-    lacks = f"model.kind {m.model.kind} does not support"
-    if m.data.document_mask and not can.document_mask:
+    p, train = m.parallel, m.train
+    yield from capabilities_of(spec, m.model.kind, m.data.document_mask, p.cp, p.pp, train.compile,
+                               train.activation_checkpointing.value, train.selective_policy.value)
+    yield from _loss_chunks(m, spec)
+
+
+def capabilities_of(spec: ModelSpec, kind: str, document_mask: bool, cp: int, pp: int, compile: bool,
+                    mode: str, policy: str) -> Iterator[Finding]:
+    """model_capabilities on plain values but for the chunked loss (`mode`: the activation checkpointing mode,
+    `policy`: the selective policy)."""
+    can = spec.capabilities
+    lacks = f"model.kind {kind} does not support"
+    if document_mask and not can.document_mask:
         yield Finding("data.document_mask", f"{lacks} document masks; set false or use a kind that does")
-    if p.cp > 1 and not can.context_parallel:
+    if cp > 1 and not can.context_parallel:
         yield Finding("parallel.cp", f"{lacks} context parallel; set cp: 1 or use a kind that does")
-    if p.pp > 1 and spec.pipeline is None:
+    if pp > 1 and spec.pipeline is None:
         yield Finding("parallel.pp", f"{lacks} a pipeline split (its ModelSpec.pipeline is None); set pp: 1 or use "
                       "a kind that does")
-    if train.compile and not can.compile:
+    if compile and not can.compile:
         yield Finding("train.compile", f"{lacks} torch.compile; set compile: false or use a kind that does")
-    mode = train.activation_checkpointing.value
     if mode not in can.activation_checkpointing:
         yield Finding("train.activation_checkpointing", f"{lacks} {mode} activation checkpointing; use "
                       f"{' or '.join(can.activation_checkpointing)}, or a kind that does")
-    policy = train.selective_policy.value
     if mode == "selective" and mode in can.activation_checkpointing and policy not in can.selective_policies:
         yield Finding("train.selective_policy", f"{lacks} the {policy} selective policy; use "
                       f"{' or '.join(can.selective_policies)}, or a kind that does")
-    yield from _loss_chunks(m, spec)
 
 
 def _loss_chunks(m: Manifest, spec: ModelSpec) -> Iterator[Finding]:
@@ -95,9 +104,15 @@ def not_supported_yet(m: Manifest) -> Iterator[Finding]:
     p = m.parallel
     # tie_embeddings is not every kind's field, but the limit is the trainer's, not a kind's: the tied head
     # (ModelParts.tie) under zero3 and pp, whatever the kind. So any kind that has the field meets the rule.
-    if p.pp > 1 and getattr(m.model, "tie_embeddings", False) and p.optimizer_sharding == Sharding.zero3:
+    yield from not_supported_of(p.pp, getattr(m.model, "tie_embeddings", False), p.optimizer_sharding.value, p.cp,
+                                m.train.compile)
+
+
+def not_supported_of(pp: int, tied: bool, sharding: str, cp: int, compile: bool) -> Iterator[Finding]:
+    """not_supported_yet on plain values."""
+    if pp > 1 and tied and sharding == Sharding.zero3.value:
         yield Finding("model.tie_embeddings", f"{_LATER}: tied embeddings with zero3 and pp > 1 (the head's copy of "
                       "the embedding would need its own FSDP unit); use zero1 or zero2, or set false")
-    if p.cp > 1 and m.train.compile:
+    if cp > 1 and compile:
         yield Finding("train.compile", f"{_LATER}: torch.compile with context parallel (its attention communicates "
                       "inside the block); set compile: false or cp: 1")

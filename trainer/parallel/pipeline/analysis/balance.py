@@ -112,6 +112,18 @@ def _split(layers: int, layout: StageLayout, costs: ChunkCosts, later: bool) -> 
     return tuple(counts)
 
 
+def nearest_splits(layers: int, layout: StageLayout, costs: ChunkCosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The two splits `balance` chooses between: spare layers toward later parts, and toward earlier ones
+    (the same split twice when there is no choice). `mantra plan --search` bounds a balanced layout by both
+    before it asks the judge."""
+    n, pp, v = layout.num_stages, layout.pp, layout.virtual_stages
+    if layers < n:
+        raise TooFewLayers(f"{layers} layers cannot give each of the pp·virtual_stages = {pp}·{v} = {n} stages a layer")
+    if not costs.block > 0:
+        raise ValueError(f"a block must cost something to balance over, got {costs.block}")
+    return _split(layers, layout, costs, True), _split(layers, layout, costs, False)
+
+
 def balance(layers: int, layout: StageLayout, costs: ChunkCosts,
             judge: Callable[[tuple[int, ...]], float] | None = None) -> tuple[int, ...]:
     """Layers per virtual stage, in model order, that make the slowest rank (then chunk) as fast as it can be.
@@ -119,12 +131,7 @@ def balance(layers: int, layout: StageLayout, costs: ChunkCosts,
     Of the two nearest-uniform splits (spare layers toward later or toward earlier parts) the one
     `judge` (e.g. `simulated_step`) finds faster wins; without a judge, or on a tie, the later one.
     """
-    n, pp, v = layout.num_stages, layout.pp, layout.virtual_stages
-    if layers < n:
-        raise TooFewLayers(f"{layers} layers cannot give each of the pp·virtual_stages = {pp}·{v} = {n} stages a layer")
-    if not costs.block > 0:
-        raise ValueError(f"a block must cost something to balance over, got {costs.block}")
-    late, early = _split(layers, layout, costs, True), _split(layers, layout, costs, False)
+    late, early = nearest_splits(layers, layout, costs)
     if judge is None or late == early:
         return late
     return early if judge(early) < judge(late) * (1 - 1e-9) else late

@@ -1,0 +1,112 @@
+"""`mantra plan --calibrate`: the compute efficiency fitted to one measured tiny-cpu run predicts the step time
+of three other layouts (dp2, pp2 1f1b, tp2) within ±20% of what they measure, and the fit's own pieces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.plan.calibrate import SKIP, CalibrationError, steady_step, step_times
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 16
+RUN = ["--set", f"train.steps={STEPS}", "--set", "logging.every=1", "--set", "checkpoint.final=false",
+       "--set", "checkpoint.every=0", "--set", "optimizer.warmup=1"]
+OTHERS = {
+    "dp2": ["--set", "launcher.nproc=2"],
+    "pp2 1f1b": ["--set", "launcher.nproc=2", "--set", "parallel.pp=2", "--set", "parallel.schedule=1f1b"],
+    "tp2": ["--set", "launcher.nproc=2", "--set", "parallel.tp=2"],
+}
+# one thread per rank in every run and plan (OMP_NUM_THREADS, which the plan reads as `mantra run` does): two
+# threads of one rank spin against each other on a loaded machine, one per rank do not
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def mantra(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launchers.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def _run(name: str, sets: list[str], tmp_path: Path) -> Path:
+    out = tmp_path / name.replace(" ", "-")
+    proc = mantra("run", "manifests/tiny-cpu.yaml", *RUN, *sets, "--set", f"logging.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xfail(strict=False, reason="issue 29, open: fitted to one tiny-cpu run, the plan predicted dp2 within -2.4% "
+                   "and tp2 within -6.3% but pp2 1f1b 24% low (measured 2026-12-03 at a load average of 3-4; at 3-7 "
+                   "dp2 -29%, pp2 -29%, tp2 -45%; at 6-12 all three missed); the pipeline's cost on CPU ranks beyond "
+                   "its FLOPs is not modelled yet, and a shared machine's load moves the measured steps")
+def test_one_calibrated_run_predicts_three_other_layouts_within_20_percent(tmp_path):
+    """Measured back to back (the load of a shared machine drifts slowly), each layout's lower quartile of steady
+    steps (calibrate's own measure: the steps other jobs did not slow)."""
+    one = _run("one", [], tmp_path)
+    runs = {name: _run(name, sets, tmp_path) for name, sets in OTHERS.items()}
+    fit = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, "--gpu", "cpu", "--calibrate", str(one), "--json")
+    assert fit.returncode == 0, fit.stderr
+    c = json.loads(fit.stdout)
+    assert abs(c["error"]) < 1e-3  # the plan at the fitted efficiency takes the calibration run's step
+    efficiency = c["calibration"]["efficiency"]
+    report = {}
+    for name, sets in OTHERS.items():
+        plan = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, *sets, "--gpu", "cpu", "--efficiency", str(efficiency),
+                      "--json")
+        predicted = json.loads(plan.stdout)["time"]["step_s"]
+        table = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, *sets, "--gpu", "cpu", "--json")  # before the fit
+        measured = steady_step(step_times(runs[name]))  # as calibrate measures the calibration run
+        report[name] = (predicted, measured, predicted / measured - 1,
+                        json.loads(table.stdout)["time"]["step_s"] / measured - 1)
+    print(json.dumps({"efficiency": efficiency, "calibration_step_s": c["measured_step_s"],
+                      "calibration_error_before": c["before"]["error"], "layouts (predicted, measured, error, "
+                      "error before)": report}))
+    assert all(abs(err) <= 0.2 for _, _, err, _ in report.values()), report
+
+
+def test_step_times_skip_the_first_steps_and_refuse_too_few(tmp_path):
+    rows = [{"step": s, "step_time_s": 10.0 if s <= SKIP else 1.0 + s / 100} for s in range(1, 8)]
+    rows.insert(3, "not a row")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{half a line")
+    assert step_times(tmp_path) == [1.0 + s / 100 for s in range(SKIP + 1, 8)]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "step_time_s": 1.0}))
+    with pytest.raises(CalibrationError, match="steps after the first"):
+        step_times(tmp_path)
+    with pytest.raises(CalibrationError, match="cannot read"):
+        step_times(tmp_path / "missing")
+
+
+def test_calibrate_fits_the_efficiency_that_gives_the_measured_step(tmp_path):
+    from trainer.manifest import load_manifest
+    from trainer.plan.calibrate import calibrate
+    from trainer.plan.devices import get_device
+    from trainer.plan.efficiency import Calibration
+    from trainer.plan.estimate import estimate
+
+    run, _ = load_manifest(ROOT / "manifests/tiny-cpu.yaml", data_files=False)
+    cpu = get_device("cpu")
+    target = estimate(run, cpu, calibration=Calibration(0.123, 0.0, "")).timing.step_s
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": target}) + "\n" for s in range(1, 9)))
+    fit = calibrate(run, cpu, tmp_path)
+    assert fit.calibration.efficiency == pytest.approx(0.123, rel=1e-6)
+    assert fit.predicted_s == pytest.approx(target, rel=1e-6) and fit.steps == 8 - SKIP
+    table = estimate(run, cpu).timing.step_s  # before the fit: the published table's row for the device
+    assert fit.default.efficiency != 0.123 and fit.default_s == pytest.approx(table, rel=1e-12)
+    before = fit.to_json()["before"]
+    assert before["error"] == pytest.approx(table / target - 1) and abs(fit.to_json()["error"]) < 1e-6
+    shown = subprocess.run([sys.executable, "-m", "launchers.cli", "plan", "manifests/tiny-cpu.yaml", "--gpu", "cpu",
+                            "--calibrate", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert f"before: the plan's step time at the published efficiency {fit.default.efficiency:.3g}" in shown.stdout
+    assert f"({table / target - 1:+.1%} off the measured)" in shown.stdout and "after: " in shown.stdout
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": 1e-9}) + "\n" for s in range(1, 9)))
+    with pytest.raises(CalibrationError, match="faster than the plan"):
+        calibrate(run, cpu, tmp_path)
+    bad = mantra("plan", "manifests/tiny-cpu.yaml", "--gpu", "cpu", "--calibrate", str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and "error" in bad.stderr and "Traceback" not in bad.stderr
