@@ -132,7 +132,7 @@ def export_hf(checkpoint: Path, out: Path, verify: bool = True, force: bool = Fa
 
     step = resolve_checkpoint(Path(checkpoint))
     out = Path(out)
-    created = claim_out(out, force)
+    check_out(out, force)  # told at once; created only once everything that can refuse has passed
     cfg = read_manifest(step, verify).model
     mapping = get_model_spec(cfg.kind).hf
     if mapping is None:
@@ -145,16 +145,26 @@ def export_hf(checkpoint: Path, out: Path, verify: bool = True, force: bool = Fa
         raise ExportError(f"{checkpoint}: {exc}") from None
     if getattr(cfg, "tie_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it to the embedding
-    mode = 0o644 if created else None  # shared only when the export made the directory
     files = tokenizer_files(manifest, step, verify)  # first: a missing tokenizer stops the export before the weights
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    created = claim_out(out, force)
+    mode = 0o644 if created else None  # shared only when the export made the directory
     for name, data in files.items():
         write_inside(out, name, data, mode)
     return out
 
 
 EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse, without creating anything, an `out` that claim_out would refuse."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; choose another output directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out} is not empty; choose an empty or new directory, or pass --force to replace "
+                          f"the export's files in it")
 
 
 def claim_out(out: Path, force: bool) -> bool:
