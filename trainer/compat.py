@@ -191,8 +191,7 @@ def cpu_flash_attention() -> tuple[Any, Any] | None:
 def reusable_selective_contexts(policy: Callable) -> tuple[Any, Any]:
     """(forward, recompute) dispatch modes for selective checkpointing whose recompute can run more than once.
 
-    torch's cache hands each saved output out once ("only allowed to backward once"); a split
-    backward recomputes a block for B and again for W, and both must read the saved matmuls.
+    torch's cache hands each saved output out once; a split backward recomputes a block for B and W.
     2.13 marks entries consumed by index (`_CONSUMED`): put them back after use. 2.11 and 2.12
     pop a list per op: hand the recompute a cursor over the list instead, restarted on each entry.
     """
@@ -263,6 +262,7 @@ def _listed_reusable(cached: type) -> type:
 
         def __enter__(self):
             self.storage = _Cursors(self.saved)
+            getattr(self.policy_fn, "restart", lambda: None)()  # a counting policy starts its recompute count
             return super().__enter__()
 
     return Reusable

@@ -48,22 +48,26 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _alternate_policy():
+class _AlternatePolicy:
     """A policy for one checkpointed forward of a block (and its recomputes): attention kept, matmuls kept and
-    recomputed in turn, starting with a kept one. torch up to 2.12 asks the policy again while recomputing,
-    and a split backward recomputes a block twice with one context: a recompute counts its matmuls modulo
-    the forward's, so each one gets the forward's decision."""
-    seen = {False: 0, True: 0}  # matmuls so far: in the forward, in recomputes
+    recomputed in turn, starting with a kept one. torch up to 2.12 asks the policy again while recomputing, and
+    a split backward recomputes a block twice with one context; a recompute may stop early (once it has what
+    the backward needs), so each recompute counts its matmuls from 0 again (`restart`, which
+    compat.reusable_selective_contexts calls as a recompute begins) and modulo the forward's."""
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def __init__(self) -> None:
+        self.seen = {False: 0, True: 0}  # matmuls so far: in the forward, in this recompute
+
+    def restart(self) -> None:
+        self.seen[True] = 0
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op not in _matmul_ops():
             return _policy(ctx, op)
         again = bool(ctx.is_recompute)
-        index = seen[again] % seen[False] if again and seen[False] else seen[again]
-        seen[again] += 1
+        index = self.seen[again] % self.seen[False] if again and self.seen[False] else self.seen[again]
+        self.seen[again] += 1
         return CheckpointPolicy.MUST_SAVE if index % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
 
 
 def _contexts(policy: str, passes_per_backward: int):
@@ -73,7 +77,7 @@ def _contexts(policy: str, passes_per_backward: int):
     make = compat.reusable_selective_contexts if passes_per_backward > 1 else create_selective_checkpoint_contexts
 
     def context_fn():
-        return make(_policy if policy == "all-matmuls" else _alternate_policy())
+        return make(_policy if policy == "all-matmuls" else _AlternatePolicy())
 
     return context_fn
 
