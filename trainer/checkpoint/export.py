@@ -160,7 +160,7 @@ EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokeniz
 
 def check_out(out: Path, force: bool) -> None:
     """Refuse, without creating anything, an `out` that claim_out would refuse."""
-    if out.exists() and not out.is_dir():
+    if (out.exists() or out.is_symlink()) and not out.is_dir():  # a dangling link too
         raise ExportError(f"{out} exists and is not a directory; choose another output directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} is not empty; choose an empty or new directory, or pass --force to replace "
@@ -176,11 +176,7 @@ def claim_out(out: Path, force: bool) -> bool:
         pass
     except OSError as exc:
         raise ExportError(f"{out}: cannot create the export directory ({exc.strerror}); choose another") from None
-    if not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory; choose another output directory")
-    if any(out.iterdir()) and not force:
-        raise ExportError(f"{out} is not empty; choose an empty or new directory, or pass --force to replace "
-                          f"the export's files in it")
+    check_out(out, force)  # it exists: the same refusals, as it is now
     return False
 
 
