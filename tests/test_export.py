@@ -65,10 +65,17 @@ def test_export_of_a_missing_directory_says_so(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def byte_level_tokenizer():
+    """The byte-level tokenizer.json export writes, loaded by `tokenizers`."""
+    from tokenizers import Tokenizer
+
+    from trainer.checkpoint.byte_tokenizer import byte_level_json
+
+    return Tokenizer.from_str(byte_level_json())
+
+
 def test_byte_level_tokenizer_ids_are_the_bytes():
     """What `data.tokenizer: byte` trains on: ids 0..255 are the UTF-8 bytes, every one of them decodes."""
-    from trainer.checkpoint.export import byte_level_tokenizer
-
     tok = byte_level_tokenizer()
     assert tok.get_vocab_size() == 256
     assert tok.encode(TEXT).ids == list(TEXT.encode()) and tok.decode(list(TEXT.encode())) == TEXT
@@ -79,7 +86,7 @@ def test_byte_level_tokenizer_ids_are_the_bytes():
 def test_a_run_with_its_own_tokenizer_exports_that_file(tmp_path):
     """data.tokenizer names a tokenizer.json: the export holds a copy of it, byte for byte, taken from the
     step directory (where the run stored it at save time), never from the path the manifest names."""
-    from trainer.checkpoint.export import ExportError, byte_level_tokenizer, tokenizer_files
+    from trainer.checkpoint.export import ExportError, tokenizer_files
     from trainer.manifest.schema import Manifest
 
     own = tmp_path / "my-tokenizer.json"

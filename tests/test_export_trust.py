@@ -22,7 +22,7 @@ def exported(tmp_path_factory) -> dict:
     """A checkpoint root (steps 1 and 2) whose manifest names data.tokenizer: <a private file>, while the
     step directories carry the run's own tokenizer.json; and a step 3 saved without one (as before)."""
     from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer
-    from trainer.checkpoint.export import byte_level_tokenizer
+    from test_export import byte_level_tokenizer
 
     tmp = tmp_path_factory.mktemp("export")
     secret = tmp / "private.json"

@@ -1,8 +1,8 @@
 """Export a checkpoint as a Hugging Face model directory: consolidated safetensors, config.json and
 the run's tokenizer, so `generate` on the export reads and writes text.
 
-    mantra export runs/tiny-cpu/ckpt --to hf out/tiny-hf     # the latest committed step
-    mantra export runs/tiny-cpu/ckpt/step-00000150 --to hf out/tiny-hf
+    mantra export runs/tiny-cpu/ckpt --to hf runs/tiny-cpu/hf     # the latest committed step
+    mantra export runs/tiny-cpu/ckpt/step-00000150 --to hf runs/tiny-cpu/hf
 
 One process reads the sharded checkpoint whatever layout wrote it (DCP
 reassembles whole tensors) and writes the names of the model kind's Hugging
@@ -20,7 +20,8 @@ no pickle. Any refusal is an ExportError: one line naming the file, exit 2.
 
 The tokenizer is the one the run trained with: a `data.tokenizer: byte` run's
 ids are raw byte values, written as a tokenizer.json whose ids are those bytes
-(so decoding what the model generates gives the same text); a run with its own
+(so decoding what the model generates gives the same text), as plain JSON
+(trainer/checkpoint/byte_tokenizer.py: no `tokenizers` package needed); a run with its own
 tokenizer.json gets the copy its checkpoint carries (stored in the step
 directory at save time, checksummed in COMMITTED): no path a checkpoint names
 is ever read.
@@ -44,6 +45,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.checkpoint.byte_tokenizer import byte_level_json
 from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST, TOKENIZER
 from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
@@ -205,7 +207,7 @@ def tokenizer_files(manifest: Manifest, step: Path, verify: bool) -> dict[str, b
     that makes `AutoTokenizer.from_pretrained(out)` load it as a plain fast tokenizer, not the model type's
     own. A path the checkpoint's manifest names is never read."""
     if manifest.data.tokenizer == "byte":
-        tokenizer = byte_level_tokenizer().to_str().encode()
+        tokenizer = byte_level_json().encode()  # plain JSON: no `tokenizers` package needed (byte_tokenizer.py)
     else:
         marker = read_marker(step) if verify else None
         try:
@@ -216,31 +218,3 @@ def tokenizer_files(manifest: Manifest, step: Path, verify: bool) -> dict[str, b
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": manifest.model.seq_len,
               "clean_up_tokenization_spaces": False}
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
-
-
-def byte_level_tokenizer():
-    """A `tokenizers` Tokenizer whose ids are the raw byte values 0..255 of UTF-8 text: what
-    `data.tokenizer: byte` trained on. GPT-2's byte-level pre-tokenizer maps each byte to one printable
-    character; a BPE over exactly those 256 characters and no merges gives each its byte value back,
-    and the byte-level decoder turns ids into bytes and the bytes into text."""
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    except ImportError:  # pragma: no cover - depends on the environment (transformers needs it too)
-        raise ExportError("writing the byte-level tokenizer.json needs the `tokenizers` package; "
-                          "pip install tokenizers") from None
-
-    vocab = {char: byte for byte, char in gpt2_byte_chars().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> character table (the one `tokenizers`' ByteLevel uses): printable bytes stand for
-    themselves, the other 68 are shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    shifted = (b for b in range(256) if b not in table)
-    table |= {b: chr(256 + n) for n, b in enumerate(shifted)}
-    return dict(sorted(table.items()))
