@@ -11,6 +11,8 @@
     mantra tokenize corpus.txt --out data/train.bin    # the same as `mantra data tokenize`
     mantra runs                                        # a table of the runs under runs/
     mantra compare  runs/a runs/b --plot loss.png      # their curves, one line each
+    mantra export   runs/a/ckpt --to hf runs/a/hf      # a Hugging Face model directory
+    mantra generate runs/a --prompt 'def '             # text from the run's last checkpoint, greedy
 
 Exit codes: 0 ok, 2 bad input (manifest, arguments), 1 anything else; from `plan`: 3 does not fit; and from
 `run`: 75 saved on SIGTERM/SIGUSR1 (start again to resume), 130 Ctrl-C (saved; a second Ctrl-C aborts), 124 hung.
@@ -199,6 +201,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from trainer.generate import GenerateError, generate
+
+    try:
+        text = generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                        verify=args.verify == "full")
+    except GenerateError as exc:
+        raise BadInput(str(exc)) from None
+    print(text)
+    return EXIT_OK
+
+
 def _version() -> str:
     """The installed package's version (no torch import: `mantra --version` works on a login node)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -300,6 +314,21 @@ def add_info_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="export into a non-empty DIR, replacing the export's files there (never writing through a link)")
     p.set_defaults(fn=cmd_export)
+    add_generate_command(sub)
+
+
+def add_generate_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a checkpoint's model (one process, CPU; greedy by default)")
+    p.add_argument("checkpoint", type=Path, metavar="CKPT|RUN",
+                   help="a run directory (its ckpt/), a checkpoint root (its latest step) or a step directory")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to add (default 100)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy, the most likely token; T > 0: sample from softmax(logits / T)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="the sampling seed (default 0): same seed, same text")
+    p.add_argument("--verify", choices=["full", "off"], default="full",
+                   help="full (default): check every file against the checksums recorded at commit; off: skip them")
+    p.set_defaults(fn=cmd_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

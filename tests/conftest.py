@@ -175,3 +175,13 @@ def worker_done(out: Path, result: dict) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     gc.collect()  # drop the mesh's process groups now, not during interpreter exit
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """The run directory of the tiny manifest trained for 2 steps by `mantra run` (its last step committed
+    under ckpt/): for the tests that read a finished run (generate, export, pipes), trained once per session."""
+    directory = tmp_path_factory.mktemp("tiny-run")
+    proc = mantra("run", str(write_tiny(directory, "tiny", steps=2)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return directory / "tiny"

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT, mantra, read_jsonl
 
-SUBCOMMANDS = ["validate", "run", "dry-run", "plan", "runs", "compare", "schema", "models", "tokenize", "data", "export", "submit"]
+SUBCOMMANDS = ["validate", "run", "dry-run", "plan", "runs", "compare", "schema", "models", "tokenize", "data", "export", "generate", "submit"]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ TINY_CPU = str(ROOT / "manifests/tiny-cpu.yaml")
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    """A run directory with two rows (for `runs` and `compare`), a tiny manifest and a token file."""
+def workdir(tmp_path_factory, tiny_run) -> Path:
+    """A run directory with two rows (for `runs` and `compare`), a tiny manifest, a token file and a trained
+    run's checkpoint (for `generate`)."""
     root = tmp_path_factory.mktemp("pipes")
+    shutil.copytree(tiny_run / "ckpt", root / "trained" / "ckpt", ignore=shutil.ignore_patterns("*.lock"))
     run = root / "runs" / "a"
     run.mkdir(parents=True)
     (run / "manifest.yaml").write_text("name: a\ntrain: {steps: 10, global_batch: 8}\nmodel: {seq_len: 32}\n")
@@ -50,6 +53,7 @@ COMMANDS = {  # subcommand -> its arguments ({w}: the work directory)
     "schema": "schema",
     "models": "models",
     "export": "export --help",
+    "generate": "generate {w}/trained --prompt 'def ' --max-new-tokens 4",
     "tokenize": f"tokenize {ROOT / 'manifests/data/python-docs.txt'} --out {{w}}/t.bin",
     "data-inspect": "data inspect {w}/t.bin",
 }
