@@ -135,7 +135,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from launchers.runs import list_runs
 
-    return list_runs(args.dir, as_json=args.json)
+    return list_runs(args.dir, as_json=args.json, wide=args.wide)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -273,6 +273,8 @@ def add_run_dir_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", nargs="?", type=Path, default=Path("runs"), metavar="DIR",
                    help="a run directory or a directory of them (default: runs)")
     p.add_argument("--json", action="store_true", help="one JSON object per run instead of the table")
+    p.add_argument("--wide", action="store_true",
+                   help="whole lines however long (default: fit the terminal the table is read on, also through `| head`)")
     p.set_defaults(fn=cmd_runs)
 
     p = sub.add_parser("compare", help="plot loss (or any metric) of several runs or a sweep against step or tokens")

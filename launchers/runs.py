@@ -319,42 +319,20 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-STATE_STYLE = {"running": "bold green", "completed": "green", "failed": "bold red", "hung": "bold red",
-               "died": "bold red", "corrupt": "red", "cancelled": "yellow", "requeue": "yellow", "stopped": "yellow",
-               "interrupted": "yellow", "pending": "cyan", "unverified": "magenta"}
+def cells(r: RunRow) -> list[str]:
+    """One row of the table, in launchers/runs_table.py's COLUMNS order, each cell one printable line."""
+    mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a" if r.tokens_per_s is not None else "-"
+    restarts = "-" if r.restarts is None else f"{r.restarts} ({r.lost_steps or 0} lost)" if r.restarts else "0"
+    note = r.note or (f"straggler {r.straggler}" if r.straggler else "")
+    out = [r.name, r.state, fmt_step(r.step, r.steps), fmt_float(r.loss, ".4f"), fmt_float(r.tokens_per_s, ",.0f"),
+           mfu, fmt_bytes(r.peak_mem_bytes), "-" if r.goodput is None else f"{100 * r.goodput:.1f}%", restarts,
+           fmt_age(r.age_s), note[:200]]
+    return [printable(c) for c in out]
 
 
-def print_table(rows: list[RunRow]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for title, justify in (("run", "left"), ("state", "left"), ("step", "right"), ("loss", "right"),
-                           ("tokens/s", "right"), ("MFU", "right"), ("peak mem", "right"), ("goodput", "right"),
-                           ("restarts", "right"), ("age", "right"), ("note", "left")):
-        table.add_column(title, justify=justify, no_wrap=title != "note")
-    for r in rows:
-        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a" if r.tokens_per_s is not None else "-"
-        restarts = "-" if r.restarts is None else f"{r.restarts} ({r.lost_steps or 0} lost)" if r.restarts else "0"
-        note = r.note or (f"straggler {r.straggler}" if r.straggler else "")
-        cells = [r.name, r.state, fmt_step(r.step, r.steps), fmt_float(r.loss, ".4f"), fmt_float(r.tokens_per_s, ",.0f"),
-                 mfu, fmt_bytes(r.peak_mem_bytes), "-" if r.goodput is None else f"{100 * r.goodput:.1f}%", restarts,
-                 fmt_age(r.age_s), note[:200]]
-        # Text, never markup, and no control characters: names and notes come from files anyone could write
-        table.add_row(*(Text(printable(c), style=STATE_STYLE.get(c, "") if i == 1 else "") for i, c in enumerate(cells)))
-    if sys.stdout.isatty():
-        Console(highlight=False).print(table)
-        return
-    # piped or under Slurm: never cut at 80 columns, and no padding after the last column
-    console = Console(highlight=False, width=1000, no_color=True)
-    with console.capture() as captured:
-        console.print(table)
-    print("\n".join(line.rstrip() for line in captured.get().splitlines()))
-
-
-def list_runs(dir: Path, as_json: bool = False) -> int:
-    """`mantra runs`: 0 (also for an empty directory), 2 when DIR is missing or unreadable."""
+def list_runs(dir: Path, as_json: bool = False, wide: bool = False) -> int:
+    """`mantra runs`: 0 (also for an empty directory), 2 when DIR is missing or unreadable. The table fits
+    the terminal it is read on unless `wide` (launchers/runs_table.py)."""
     if not dir.exists():
         print(f"error: {dir}: no such directory; give a run directory or a directory of them (default: runs)",
               file=sys.stderr)
@@ -389,5 +367,7 @@ def list_runs(dir: Path, as_json: bool = False) -> int:
             print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
                               for k, v in asdict(r).items()}, allow_nan=False))
         return 0
-    print_table(rows)
+    from launchers.runs_table import print_table, table_width
+
+    print_table([cells(r) for r in rows], table_width(wide))
     return 0

@@ -4,7 +4,8 @@ The examples are found, not listed: each line of an indented or fenced code bloc
 command word (`mantra`, `pip`, `python`, ...) is one test, its id the command, so an example added to
 the README is run without touching this file. Each runs through bash exactly as written, in a working
 directory holding a copy of manifests/ (so `runs/`, `out/` and `data/` land there, never in the
-clone), with this checkout's `mantra` and `python` first on PATH.
+clone), with this checkout's `mantra` and `python` first on PATH. An example may write only under
+`runs/` there (manifests/ stays as copied).
 
 What cannot run verbatim is checked honestly instead:
 - `pip install` is not run again: it must install no more than .ci/run's install line does (CI runs
@@ -13,7 +14,11 @@ What cannot run verbatim is checked honestly instead:
   selection is known to be valid and not empty.
 - The default run (`mantra run manifests/tiny-cpu.yaml`, 150 steps) runs once in the suite, here; its
   losses and its line format are checked against what the README shows. The examples that read its
-  run directory (export, then `generate` on the export) run after it, in the same directory.
+  run directory (`mantra generate`, export, then transformers' `generate` on the export) run after it,
+  in the same directory.
+- A new user's path after `pip install -e .` alone (the default run, `mantra generate`, `mantra export`)
+  runs with every import outside mantra's core dependencies refused (tests/core_only.py), so a hidden
+  dependency on tokenizers, transformers or jinja2 fails here as it would in a fresh venv.
 - Other examples that train (`mantra run` with options, `mantra submit`) run as written against a copy
   of tiny-cpu cut to SHORT_STEPS steps: the command is the README's, only the run is shorter.
 - `mantra submit` goes to the local Slurm (test_slurm_cluster.py's fixture); jobs it does not wait for
@@ -32,13 +37,16 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from conftest import ROOT, read_jsonl
+from core_only import core_only_env
 from test_slurm_cluster import job_ids, jobs, slurm  # noqa: F401 (fixtures, used through request)
 
 README = ROOT / "README.md"
@@ -111,7 +119,7 @@ def trains(command: str) -> bool:
 
 
 def needs_default_run(command: str) -> bool:
-    return (DEFAULT_RUN in segments(command) or "runs/" in command or "from_pretrained('out')" in command
+    return (DEFAULT_RUN in segments(command) or "runs/" in command or "from_pretrained(" in command
             or command.split()[:2] in (["mantra", "runs"], ["mantra", "compare"]))  # they read runs/
 
 
@@ -132,6 +140,8 @@ def test_the_readme_examples_are_found():
     assert "mantra validate manifests/tiny-cpu.yaml" in EXAMPLES and "mantra --version" in EXAMPLES
     assert any(e.startswith("mantra submit ") for e in EXAMPLES)
     assert not any(e.startswith(("step ", "name:", "manifests/")) or " # " in e for e in EXAMPLES)
+    assert any(e.startswith("mantra generate runs/tiny-cpu ") for e in EXAMPLES)
+    assert export_example().split()[-1].startswith("runs/")
     assert shell_examples("text\n\n    mantra a   --b  # c\n    x: 1\n\n```sh\nmantra d \\\n  e\n```\n") == [
         "mantra a --b", "mantra d e"]
 
@@ -171,12 +181,14 @@ class Shell:
 
     cwd: Path
     env: dict[str, str]
+    core_env: dict[str, str] | None = None  # for the new user's path (core_only), where it differs
     done: dict[str, tuple[subprocess.CompletedProcess, float]] = field(default_factory=dict)
 
     def run(self, command: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
         if command not in self.done:
             start = time.perf_counter()
-            proc = subprocess.run(["bash", "-c", command], cwd=self.cwd, env=self.env, capture_output=True,
+            env = self.core_env if self.core_env is not None and new_user_path(command) else self.env
+            proc = subprocess.run(["bash", "-c", command], cwd=self.cwd, env=env, capture_output=True,
                                   text=True, timeout=timeout)
             self.done[command] = proc, time.perf_counter() - start
         return self.done[command]
@@ -185,7 +197,13 @@ class Shell:
 @pytest.fixture(scope="session")
 def readme_dir(tmp_path_factory, shell_env) -> Shell:
     """The newcomer's directory: the default run, its export and the quick commands all happen here."""
-    return Shell(make_workspace(tmp_path_factory.mktemp("readme")), shell_env)
+    return Shell(make_workspace(tmp_path_factory.mktemp("readme")), shell_env,
+                 core_only_env(tmp_path_factory.mktemp("core-only"), shell_env))
+
+
+def new_user_path(command: str) -> bool:
+    """What the set-up's `pip install -e .` alone must be enough for: the default run, generate, export."""
+    return command == DEFAULT_RUN or command.startswith(("mantra generate ", "mantra export "))
 
 
 def default_run(shell: Shell) -> subprocess.CompletedProcess:
@@ -204,10 +222,16 @@ def export_example() -> str:
 def check_pip(command: str) -> None:
     """A README `pip install` installs nothing .ci/run's install line does not (so CI ran it)."""
     def requirements(words: list[str]) -> set[str]:
+        """Each word, each extra of a `.[extras]` and the names of the packages those extras install."""
+        optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
         out = set()
         for word in words:
             base, _, extras = word.partition("[")
-            out |= {base} | {f"{base}[{e}]" for e in extras.rstrip("]").split(",") if e}
+            for extra in (e for e in extras.rstrip("]").split(",") if e):
+                out |= {f"{base}[{extra}]"}
+                if base == ".":
+                    out |= {Requirement(r).name for r in optional[extra]}
+            out |= {base}
         return out - {"-e", "pip", "install"}
 
     ci_line = re.search(r"^pip install ([^&|\n]+)", CI_SCRIPT.read_text(), flags=re.M)
@@ -279,6 +303,7 @@ EXPECTED: list[tuple[str, object]] = [
     (r"^mantra submit .*--wait", r"completed"),
     (r"^mantra submit ", r"(?m)^\s+\d+(_\d+)?\s+run "),
     (r"^mantra export \S+ --to hf (\S+)", lambda proc, cwd, m: check_export(proc, cwd, m.group(1))),
+    (r"^mantra generate \S+ --prompt '([^']*)'", lambda proc, cwd, m: check_generate(proc, m.group(1))),
     (r"^mantra schema$", lambda proc, cwd, m: json.loads(proc.stdout)["title"] == "mantra manifest"),
     (r"^mantra models$", r"(?m)^llama "),
     (r"^mantra --version$", r"^mantra \d"),
@@ -340,7 +365,7 @@ def test_readme_example_runs_as_written(example, request, readme_dir, shell_env,
         shell = readme_dir
         if needs_default_run(command):
             default_run(shell)
-        if "from_pretrained('out')" in command:
+        if "from_pretrained(" in command:
             proc, _ = shell.run(export_example())
             assert proc.returncode == 0, proc.stderr[-3000:]
     if command.startswith("mantra submit "):
@@ -354,5 +379,11 @@ def test_readme_example_runs_as_written(example, request, readme_dir, shell_env,
     if command == DEFAULT_RUN:
         check_default_run(proc, shell.cwd)
     check_output(command, proc, shell.cwd)
-    litter = {p.name for p in shell.cwd.iterdir()} - {"manifests", "runs", "out"}  # out/: export's, for now
+    litter = {p.name for p in shell.cwd.iterdir()} - {"manifests", "runs"}
     assert not litter, f"`{command}` wrote {sorted(litter)} outside runs/"
+    added = files_under(shell.cwd / "manifests") - files_under(ROOT / "manifests")
+    assert not added, f"`{command}` wrote {sorted(added)} into manifests/, outside runs/"
+
+
+def files_under(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
