@@ -58,6 +58,8 @@ def test_refusals_are_one_line(tiny_run, tmp_path):
         generate(tiny_run, "x" * 33, 4)
     with pytest.raises(GenerateError, match="--prompt is empty"):
         generate(tiny_run, "", 4)
+    with pytest.raises(GenerateError, match="--prompt is not valid UTF-8 text at character 1"):
+        generate(tiny_run, "a\udcff", 4)  # argv bytes that are not UTF-8 arrive as surrogate escapes
 
     proc = mantra("generate", str(tmp_path / "missing"), "--prompt", "def ")
     assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

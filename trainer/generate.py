@@ -30,7 +30,8 @@ import torch
 
 from trainer.checkpoint.checkpointer import TOKENIZER
 from trainer.checkpoint.export import ExportError, load_model, resolve_checkpoint
-from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
+from trainer.checkpoint.integrity import COMMITTED, IntegrityError, read_marker, read_verified
+from trainer.checkpoint.paths import LATEST
 from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES, tokenizer_problem
 
 BYTE_VOCAB = 256
@@ -53,7 +54,7 @@ class Codec:
 def step_of(path: Path) -> Path:
     """The committed step directory of a run directory (its ckpt/), a checkpoint root or a step directory."""
     path = Path(path)
-    if path.is_dir() and not (path / "COMMITTED").exists() and not (path / "latest").exists() \
+    if path.is_dir() and not (path / COMMITTED).exists() and not (path / LATEST).exists() \
             and (path / RUN_CHECKPOINT).is_dir():
         path = path / RUN_CHECKPOINT  # a run directory
     try:
@@ -124,7 +125,10 @@ def generate(path: Path, prompt: str, new_tokens: int = 100, temperature: float 
         raise GenerateError(str(exc)) from None
     cfg = manifest.model
     codec = byte_codec() if manifest.data.tokenizer == "byte" else file_codec(step, cfg.vocab, verify)
-    ids = codec.encode(prompt)
+    try:
+        ids = codec.encode(prompt)
+    except UnicodeEncodeError as exc:  # a prompt from bytes that are not UTF-8 (surrogate escapes)
+        raise GenerateError(f"--prompt is not valid UTF-8 text at character {exc.start}; give UTF-8 text") from None
     if len(ids) > cfg.seq_len:
         raise GenerateError(f"the prompt is {len(ids)} tokens, more than the {cfg.seq_len} (model.seq_len) the model "
                             f"of {step} reads; shorten it")
