@@ -95,7 +95,7 @@ def add_tokenize_arguments(p: argparse.ArgumentParser) -> None:
     _inputs(p)
     p.add_argument("--out", required=True, metavar="FILE.bin",
                    help="token ids (uint16/uint32), one EOS between documents; FILE.idx beside it indexes the documents")
-    p.add_argument("--tokenizer", default="byte", help="'byte' (default; EOS is 0) or a local tokenizer.json")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default; EOS is 0), a local tokenizer.json, or a Hugging Face model directory holding one")
     p.add_argument("--eos", metavar="TOKEN", help="the tokenizer.json's EOS token, when it is none of the usual names")
     p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width; default: the smallest that fits")
     _workers(p)

@@ -26,6 +26,7 @@ from trainer.manifest.choices import (
     DataSource,
     Decay,
     LauncherKind,
+    LossOn,
     MemoryTracking,
     OnNonFinite,
     OptimizerName,
@@ -271,9 +272,18 @@ MAX_SOURCES = 4096  # data.sources entries
 
 class DataSection(Section):
     source: DataSource = Field(DataSource.synthetic)
-    path: str | None = Field(None, description="a .bin of token ids (tokens) or a text file (text)")
+    path: str | None = Field(None, description="a .bin of token ids (tokens), a text file (text), or a .jsonl or "
+                             ".parquet of {\"messages\": [{\"role\", \"content\"}]} rows (chat)")
     dtype: TokenDtype = Field(TokenDtype.uint16, description="token id width in a .bin")
-    tokenizer: str = Field("byte", description="text only: 'byte' or a local tokenizer.json")
+    tokenizer: str = Field("byte", description="text and chat: 'byte', a local tokenizer.json, or a Hugging Face "
+                           "model directory (its tokenizer.json and tokenizer_config.json)")
+    chat_template: str | None = Field(
+        None, description="chat only: a Jinja chat template file; default: the tokenizer directory's "
+        "tokenizer_config.json chat_template"
+    )
+    loss_on: LossOn = Field(
+        LossOn.assistant, description="chat only: assistant (the loss on the assistant turns' tokens only) or all"
+    )
     sources: tuple[BlendSource, ...] | None = Field(
         None, description="instead of path: several files of the same source kind blended by weight; every prefix "
         "of the run holds each file's share within one sample (trainer/data/blend.py)", max_length=MAX_SOURCES,
