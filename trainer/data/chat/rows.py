@@ -47,7 +47,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, Conversation]]:
             if not line.strip():
                 continue
             try:
-                row = bounded_json(line, f"{path}:{number}", 16, 8 * MAX_MESSAGES + 64, "not a chat row")
+                row = bounded_json(line, f"{path}:{number}: the row", 16, 8 * MAX_MESSAGES + 64, "not a chat row")
             except PlainDataError as exc:
                 raise DataError(f"{exc}; write one JSON object per line") from None
             out.append((f"{path}:{number}", conversation(row, f"{path}:{number}")))
