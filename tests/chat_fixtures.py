@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -46,3 +48,18 @@ def jsonl(path: Path, talks: list = TALK) -> Path:
 def template_file(path: Path) -> Path:
     path.write_text(CHATML)
     return path
+
+
+def expected_mask(text: str, talk: list) -> np.ndarray:
+    """By hand: the characters of each assistant content and its '<|im_end|>\\n', as UTF-8 bytes."""
+    mask = np.zeros(len(text.encode()), dtype=bool)
+    at = 0
+    for m in talk:
+        header = f"<|im_start|>{m['role']}\n"
+        turn = header + m["content"] + "<|im_end|>\n"
+        assert text.startswith(turn, at)
+        if m["role"] == "assistant":
+            a = len(text[: at + len(header)].encode())
+            mask[a: len(text[: at + len(turn)].encode())] = True
+        at += len(turn)
+    return mask

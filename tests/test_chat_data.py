@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.chat_fixtures import CHATML, TALK, jsonl, template_file, tokenizer_dir
+from chat_fixtures import CHATML, TALK, expected_mask, jsonl, template_file, tokenizer_dir
 from trainer.data.chat.pack import IGNORE, open_chat, pack
 from trainer.data.chat.rows import read_conversations
 from trainer.data.chat.spans import ChatEncoder
@@ -31,21 +31,6 @@ def test_ids_equal_transformers_apply_chat_template(tmp_path):
     ref = transformers.AutoTokenizer.from_pretrained(str(d)).apply_chat_template(TALK[0], tokenize=True)
     ref = ref["input_ids"] if hasattr(ref, "keys") else ref
     assert ids == list(ref) and len(ids) > 20
-
-
-def expected_mask(text: str, talk: list) -> np.ndarray:
-    """By hand: the characters of each assistant content and its '<|im_end|>\\n', as UTF-8 bytes."""
-    mask = np.zeros(len(text.encode()), dtype=bool)
-    at = 0
-    for m in talk:
-        header = f"<|im_start|>{m['role']}\n"
-        turn = header + m["content"] + "<|im_end|>\n"
-        assert text.startswith(turn, at)
-        if m["role"] == "assistant":
-            a = len(text[: at + len(header)].encode())
-            mask[a: len(text[: at + len(turn)].encode())] = True
-        at += len(turn)
-    return mask
 
 
 def test_assistant_mask_equals_a_hand_built_one_and_all_means_all():

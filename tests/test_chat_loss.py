@@ -10,8 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.chat_fixtures import CHATML, TALK, jsonl, template_file
-from tests.test_chat_data import expected_mask
+from chat_fixtures import CHATML, TALK, expected_mask, jsonl, template_file
 from trainer.data.loader import build_loader
 from trainer.manifest.schema import DataSection
 from trainer.models import masked_cross_entropy
