@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-
 from chat_fixtures import TALK, jsonl, tokenizer_dir
 from conftest import mantra, read_jsonl
 

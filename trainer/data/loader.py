@@ -15,7 +15,7 @@ counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
 (data.valid) is read in order, unshuffled: the same global batches each time.
 The loader reads the next steps in a background thread, or with data.workers in
 worker processes that each open the data themselves (trainer/data/prefetch.py).
-Files of token ids are written by `mantra data tokenize` (trainer/data/corpus/).
+Files of token ids are written by `mantra data tokenize` (trainer/data/corpus/); chat data: trainer/data/chat/.
 
 data.document_mask: each microbatch also carries `documents` [micro_batch, seq_len], every input
 token's document number within its window (`document_ids`), and attention stays within a document
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.blend import Blend
-from trainer.data.chat.batches import chat_tensors, read_chat
+from trainer.data.chat.batches import chat_tensors, loss_tokens, read_chat
 from trainer.data.chat.pack import ChatStream
 from trainer.data.checks import check_data
 from trainer.data.corpus import CorpusError
@@ -263,7 +263,8 @@ def _worker_read(step: int) -> list[tuple[np.ndarray, ...]]:
 
 class Loader:
     """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64;
-    [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`).
+    [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`);
+    chat: [(inputs, targets, documents or None, loss scale)] (trainer/data/chat/batches.py).
 
     prefetch > 0: a background thread reads that many steps ahead (trainer/data/prefetch.py), into pinned
     memory when `pin_memory` (a GPU run). `workers` (data.workers): worker processes read the steps
@@ -331,14 +332,8 @@ class Loader:
         return out
 
     def tokens_with_loss(self, step: int) -> int:
-        """The targets of step `step`'s global batch that carry loss (all ranks): every target, except for
-        chat data, where only the loss-carrying ones count (a pure function of the step, no communication)."""
-        o = self.order
-        if not self.chat:
-            return o.global_batch * self.seq_len
-        first = step * o.global_batch
-        _, windows = o.samples_of(first, o.global_batch)
-        return int(self.chat[0].loss_tokens[windows].sum())
+        """The targets of step `step`'s global batch (all ranks) that carry loss: all, or chat's (no communication)."""
+        return loss_tokens(self.chat[0], self.order, step) if self.chat else self.order.global_batch * self.seq_len
 
     def read(self, step: int) -> list[tuple[Any, ...]]:
         """The step's microbatches as tensors, read now (any thread); DataReadError names what failed."""

@@ -298,7 +298,7 @@ class DataSection(Section):
     )
     document_mask: bool = Field(
         False, description="attention stays within each document of a packed sample (documents end at the EOS id "
-        "the token file's .idx names); tokens source only"
+        "the token file's .idx names; chat: each conversation); tokens and chat sources only"
     )
 
 

@@ -1,7 +1,8 @@
 """A step's chat microbatches and the scale that makes their loss the mean over the global batch's
 loss-carrying tokens.
 
-    arrays = read_chat(stream, windows, documents, tokens_with_loss, order)   # numpy, any thread or process
+    n = loss_tokens(stream, order, step)                                      # the global batch's N (below)
+    arrays = read_chat(stream, windows, documents, n, order)                  # numpy, any thread or process
     inputs, targets, documents, scale = chat_tensors(arrays[m], pin_memory)   # documents None without the mask
 
 Loss normalisation. Under chat data the kind's loss is `masked_cross_entropy` (trainer/models/spec.py): the
@@ -26,6 +27,12 @@ from typing import Any
 import numpy as np
 
 from trainer.data.chat.pack import ChatStream
+
+
+def loss_tokens(stream: ChatStream, order: Any, step: int) -> int:
+    """N: the loss-carrying targets of step `step`'s global batch, every rank's samples (a SampleOrder's)."""
+    _, windows = order.samples_of(step * order.global_batch, order.global_batch)
+    return int(stream.loss_tokens[windows].sum())
 
 
 def read_chat(stream: ChatStream, windows: np.ndarray, documents: bool, tokens_with_loss: int,
