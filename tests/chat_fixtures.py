@@ -10,6 +10,10 @@ import numpy as np
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+STRICT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+          "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+          "{% generation %}{{ m['content'] | trim }}{% endgeneration %}{{ '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TALK = [
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
@@ -22,7 +26,7 @@ TALK = [
 ]
 
 
-def tokenizer_dir(path: Path, vocab: int = 300, template: str = CHATML) -> Path:
+def tokenizer_dir(path: Path, vocab: int = 300, template: str = CHATML, bos: str | None = None) -> Path:
     """A byte-level BPE tokenizer.json with the ChatML specials, and a tokenizer_config.json with the template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -35,7 +39,7 @@ def tokenizer_dir(path: Path, vocab: int = 300, template: str = CHATML) -> Path:
     tok.train_from_iterator([m["content"] for talk in TALK for m in talk] * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": template, "eos_token": "<|im_end|>", "bos_token": None,
+        "chat_template": template, "eos_token": "<|im_end|>", "bos_token": bos,
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}))
     return path
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chat_fixtures import CHATML, TALK, expected_mask, jsonl, template_file, tokenizer_dir
+from chat_fixtures import CHATML, STRICT, TALK, expected_mask, jsonl, template_file, tokenizer_dir
 from trainer.data.chat.pack import IGNORE, open_chat, pack
 from trainer.data.chat.rows import read_conversations
 from trainer.data.chat.spans import ChatEncoder
@@ -23,14 +23,24 @@ def section(path: Path, **kw) -> DataSection:
     return DataSection(source="chat", path=str(path), **kw)
 
 
-def test_ids_equal_transformers_apply_chat_template(tmp_path):
+@pytest.mark.parametrize("template, bos", [(CHATML, None), (STRICT, "<|endoftext|>")])
+def test_ids_equal_transformers_apply_chat_template(tmp_path, template, bos):
     transformers = pytest.importorskip("transformers")
-    d = tokenizer_dir(tmp_path / "tok")
-    stream = open_chat(section(jsonl(tmp_path / "c.jsonl", TALK[:1]), tokenizer=str(d)), seq_len=255, vocab=300)
-    ids = stream.ids[0][stream.docs[0] == 0].tolist()
-    ref = transformers.AutoTokenizer.from_pretrained(str(d)).apply_chat_template(TALK[0], tokenize=True)
-    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
-    assert ids == list(ref) and len(ids) > 20
+    d = tokenizer_dir(tmp_path / "tok", template=template, bos=bos)
+    stream = open_chat(section(jsonl(tmp_path / "c.jsonl", TALK[:2]), tokenizer=str(d)), seq_len=255, vocab=300)
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    for conv in range(2):
+        ref = tok.apply_chat_template(TALK[conv], tokenize=True)
+        ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+        assert stream.ids[0][stream.docs[0] == conv].tolist() == list(ref) and len(ref) > 5
+    assert (stream.ids[0][0] == tok.convert_tokens_to_ids("<|endoftext|>")) == (bos is not None)  # bos_token reached
+
+
+def test_a_template_that_raises_names_the_row(tmp_path):
+    d = tokenizer_dir(tmp_path / "tok", template=STRICT)
+    path = jsonl(tmp_path / "c.jsonl", [TALK[1], [{"role": "tool", "content": "x"}]])
+    with pytest.raises(DataError, match=rf"^{path}:2: the chat template fails \(TemplateError: unknown role tool\)"):
+        open_chat(section(path, tokenizer=str(d)), seq_len=64, vocab=300)
 
 
 def test_assistant_mask_equals_a_hand_built_one_and_all_means_all():
