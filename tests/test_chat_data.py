@@ -54,9 +54,9 @@ def test_assistant_mask_equals_a_hand_built_one_and_all_means_all():
 
 
 def test_bpe_mask_covers_the_assistant_text(tmp_path):
-    from trainer.data.tokens import _hf_tokenizer
+    from trainer.data.tokens import hf_tokenizer
 
-    tok = _hf_tokenizer(tokenizer_dir(tmp_path / "tok"))
+    tok = hf_tokenizer(tokenizer_dir(tmp_path / "tok"))
     ids, loss = ChatEncoder(compile_template(CHATML, {}), tok)(TALK[0], "t")
     assert tok.decode(ids[loss].tolist(), skip_special_tokens=False) == \
         "fine thanks<|im_end|>\nthe weather is nice, é<|im_end|>\n"

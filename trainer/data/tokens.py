@@ -47,7 +47,9 @@ def file_problem(path: Path) -> str | None:
     return "is " + next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
-def _hf_tokenizer(path: str | Path) -> Any:
+def hf_tokenizer(path: str | Path) -> Any:
+    """A tokenizers.Tokenizer from a tokenizer.json or a model directory; DataError says `pip install tokenizers`
+    when the package is missing (imported here only)."""
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -65,7 +67,7 @@ def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int
     """Token ids of UTF-8 `data` and the tokenizer's vocab size ('byte', a tokenizer.json or a model directory)."""
     if str(tokenizer) == "byte":
         return np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB
-    tok = _hf_tokenizer(tokenizer)
+    tok = hf_tokenizer(tokenizer)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -28,9 +28,9 @@ import numpy as np
 from trainer.data.chat.rows import read_conversations
 from trainer.data.chat.spans import ChatEncoder
 from trainer.data.chat.template import compile_template
-from trainer.data.hf_dir import (HfDirError, chat_template, read_template, special_tokens, tokenizer_config,
-                                 tokenizer_json)
-from trainer.data.tokens import DataError, _hf_tokenizer, resolve_path
+from trainer.data.hf_dir import HfDirError, chat_template, read_template, special_tokens, tokenizer_config
+from trainer.data.tokens import DataError, hf_tokenizer, resolve_path
+from trainer.manifest.choices import LossOn
 from trainer.manifest.sections import DataSection
 
 IGNORE = -100  # a target that carries no loss (torch's cross_entropy ignore_index)
@@ -99,7 +99,7 @@ def _renderer(data: DataSection, base_dir: str | Path | None):
         render = compile_template(source, special_tokens(cfg), where)
     except HfDirError as exc:
         raise DataError(f"data.chat_template: {exc}") from None
-    tokenizer = "byte" if tok_path is None else _hf_tokenizer(tokenizer_json(tok_path))
+    tokenizer = "byte" if tok_path is None else hf_tokenizer(tok_path)
     return render, tokenizer
 
 
@@ -107,7 +107,7 @@ def open_chat(data: DataSection, *, seq_len: int, vocab: int, base_dir: str | Pa
     """data.path's conversations rendered, tokenized and packed; DataError names the file, the row and the fix."""
     path = resolve_path(data.path or "", base_dir)
     render, tokenizer = _renderer(data, base_dir)
-    encode = ChatEncoder(render, tokenizer, data.loss_on.value if hasattr(data.loss_on, "value") else data.loss_on)
+    encode = ChatEncoder(render, tokenizer, LossOn(data.loss_on).value)
     conversations = read_conversations(path)
     if not conversations:
         raise DataError(f"data.path: '{path}' holds no conversation; add rows of {{\"messages\": [...]}}")
