@@ -131,7 +131,7 @@ def test_checks_without_reading_rows(tmp_path):
     assert "has no chat_template" in dict(check_data(section(path, tokenizer=str(d)), seq_len=64, vocab=300))["chat_template"]
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "without tokenizer.json" in dict(check_data(section(path, tokenizer=str(empty)), seq_len=64, vocab=300))["tokenizer"]
+    assert "is a directory; a model directory needs its tokenizer.json" in dict(check_data(section(path, tokenizer=str(empty)), seq_len=64, vocab=300))["tokenizer"]
 
 
 def test_text_source_and_tokenize_take_a_model_directory(tmp_path):

@@ -42,7 +42,7 @@ def tokenizer_problem_of(path: str | Path, vocab: int) -> str | None:
     """tokenizer_problem (size, ids against model.vocab, regexes) for a tokenizer.json or a model directory."""
     p = Path(path)
     if p.is_dir() and not (p / TOKENIZER_JSON).is_file():
-        return f"is a directory without {TOKENIZER_JSON}; use a Hugging Face model directory or a tokenizer.json"
+        return f"is a directory; a model directory needs its {TOKENIZER_JSON} in it, or use 'byte' or a tokenizer.json"
     return tokenizer_problem(tokenizer_json(p), vocab)
 
 
