@@ -129,6 +129,10 @@ def test_checks_without_reading_rows(tmp_path):
     assert "more than model.vocab 100" in fields["tokenizer"]
     (d / "tokenizer_config.json").write_text("{}")
     assert "has no chat_template" in dict(check_data(section(path, tokenizer=str(d)), seq_len=64, vocab=300))["chat_template"]
+    (d / "chat_template.jinja").write_text(CHATML)  # where newer transformers save it
+    assert check_data(section(path, tokenizer=str(d)), seq_len=64, vocab=300) == []
+    (d / "tokenizer_config.json").write_text("[" * 100 + "]" * 100)
+    assert "nested deeper" in dict(check_data(section(path, tokenizer=str(d)), seq_len=64, vocab=300))["chat_template"]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "is a directory; a model directory needs its tokenizer.json" in dict(check_data(section(path, tokenizer=str(empty)), seq_len=64, vocab=300))["tokenizer"]
