@@ -58,15 +58,18 @@ def test_chat_layouts_not_supported_yet_are_refused(tmp_path, parallel, refused)
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_train_as_one(tmp_path):
-    """dp 2 with two microbatches of 1 sample each against 1 rank with one microbatch of all 4: the same
-    global-batch token mean (a mean of per-microbatch means would differ: the samples hold unequal counts)."""
+    """dp 2 with two microbatches of 1 sample each, and tp 2 with two of 2, against 1 rank with one microbatch of
+    all 4: the same global-batch token mean (a mean of per-microbatch means would differ: the samples hold
+    unequal counts; tp takes the vocab-parallel loss with ignored targets)."""
     tok, path = tokenizer_dir(tmp_path / "tok"), jsonl(tmp_path / "chat.jsonl", TALK * 8)
     losses = []
-    for nproc, micro_batch in ((1, 4), (2, 1)):
-        manifest = tmp_path / f"chat{nproc}.yaml"
-        text = MANIFEST.format(path=path, tok=tok, run=tmp_path / f"run{nproc}")
+    for name, nproc, micro_batch, tp in (("one", 1, 4, 1), ("dp2", 2, 1, 1), ("tp2", 2, 2, 2)):
+        manifest = tmp_path / f"{name}.yaml"
+        text = MANIFEST.format(path=path, tok=tok, run=tmp_path / name) + f"parallel: {{tp: {tp}}}\n"
         manifest.write_text(text.replace("micro_batch: 2", f"micro_batch: {micro_batch}"))
         proc = mantra("run", str(manifest), "--nproc", str(nproc))
         assert proc.returncode == 0, proc.stderr[-2000:]
-        losses.append([r["loss"] for r in read_jsonl(tmp_path / f"run{nproc}" / "metrics.jsonl")])
-    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+        losses.append([r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")])
+    assert len(losses[0]) == 3
+    for other in losses[1:]:
+        assert other == pytest.approx(losses[0], rel=1e-5, abs=1e-6), losses
