@@ -126,6 +126,6 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     p = commands.add_parser("inspect", help="a token file's tokens, documents, length histogram and a decoded sample")
     p.add_argument("file", metavar="FILE.bin", help="a token file (its FILE.idx beside it gives the documents)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the document-length histogram (.png, .svg, .pdf)")
-    p.add_argument("--tokenizer", help="decode the sample with this ('byte' or a tokenizer.json); default: the index's")
+    p.add_argument("--tokenizer", help="decode the sample with this ('byte', a tokenizer.json or a model directory); default: the index's")
     p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width of a .bin without index (default uint16)")
     p.set_defaults(fn=_guarded(_inspect))

@@ -139,12 +139,17 @@ def test_checks_without_reading_rows(tmp_path):
 
 
 def test_text_source_and_tokenize_take_a_model_directory(tmp_path):
-    from trainer.data.corpus.tokenize import load_spec
+    from trainer.data.corpus.inspect import inspect_tokens
+    from trainer.data.corpus.tokenize import load_spec, tokenize_corpus
     from trainer.data.loader import build_loader
 
     d = tokenizer_dir(tmp_path / "tok")
     assert load_spec(str(d)).eos == load_spec(str(d / "tokenizer.json")).eos
     (tmp_path / "t.txt").write_text(" ".join(m["content"] for t in TALK for m in t) * 20)
+    for name, tok in (("dir", d), ("file", d / "tokenizer.json")):  # `mantra data tokenize --tokenizer DIR`
+        tokenize_corpus([str(tmp_path / "t.txt")], tmp_path / f"{name}.bin", tokenizer=str(tok), progress=False)
+    assert (tmp_path / "dir.bin").read_bytes() == (tmp_path / "file.bin").read_bytes()
+    assert inspect_tokens(tmp_path / "dir.bin", tokenizer=str(d)).sample.startswith("be brief hello fine thanks")
     data = DataSection(source="text", path=str(tmp_path / "t.txt"), tokenizer=str(d))
     assert check_data(data, seq_len=16, vocab=300) == []
     ld = build_loader(data, seq_len=16, vocab=300, seed=0, global_batch=2, micro_batch=2, microbatches=1, prefetch=0)
