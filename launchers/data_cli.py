@@ -95,7 +95,7 @@ def add_tokenize_arguments(p: argparse.ArgumentParser) -> None:
     _inputs(p)
     p.add_argument("--out", required=True, metavar="FILE.bin",
                    help="token ids (uint16/uint32), one EOS between documents; FILE.idx beside it indexes the documents")
-    p.add_argument("--tokenizer", default="byte", help="'byte' (default; EOS is 0) or a local tokenizer.json")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default; EOS is 0), a local tokenizer.json, or a Hugging Face model directory holding one")
     p.add_argument("--eos", metavar="TOKEN", help="the tokenizer.json's EOS token, when it is none of the usual names")
     p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width; default: the smallest that fits")
     _workers(p)
@@ -126,6 +126,6 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     p = commands.add_parser("inspect", help="a token file's tokens, documents, length histogram and a decoded sample")
     p.add_argument("file", metavar="FILE.bin", help="a token file (its FILE.idx beside it gives the documents)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the document-length histogram (.png, .svg, .pdf)")
-    p.add_argument("--tokenizer", help="decode the sample with this ('byte' or a tokenizer.json); default: the index's")
+    p.add_argument("--tokenizer", help="decode the sample with this ('byte', a tokenizer.json or a model directory); default: the index's")
     p.add_argument("--dtype", choices=["uint16", "uint32"], help="token width of a .bin without index (default uint16)")
     p.set_defaults(fn=_guarded(_inspect))

@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from trainer.data.hf_dir import tokenizer_json
 from trainer.manifest import Resolved
 from trainer.manifest.schema import DataSource
 from trainer.run.state_files import StateFileError, open_state, read_state, replace_state
@@ -131,8 +132,8 @@ def data_identity(data) -> dict[str, Any]:
     out["path"] = os.path.abspath(os.path.expanduser(data.path or ""))
     if data.source == DataSource.tokens:
         out["dtype"] = data.dtype.value
-    if data.source == DataSource.text:
-        out["tokenizer"] = data.tokenizer if data.tokenizer == "byte" else _file_identity(data.tokenizer)
+    if data.source in (DataSource.text, DataSource.chat):
+        out["tokenizer"] = data.tokenizer if data.tokenizer == "byte" else _file_identity(str(tokenizer_json(data.tokenizer)))
     out |= _file_identity(out["path"])
     return out
 

@@ -31,7 +31,8 @@ from trainer.data.loader import Loader, build_loader
 from trainer.dist import RankInfo
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Sharding
-from trainer.models import get_model_spec, loss_chunks
+from trainer.manifest.choices import DataSource
+from trainer.models import get_model_spec, loss_chunks, masked_cross_entropy
 from trainer.optim import build_lr_schedule, build_optimizer
 from trainer.parallel.chunked_loss import HeadLoss
 from trainer.parallel.context.attention import uses_zigzag
@@ -112,9 +113,11 @@ def head_loss(run: Resolved) -> HeadLoss:
     train.loss_chunks asks and the kind's head runs apart (ModelSpec.head)."""
     spec = get_model_spec(run.manifest.model.kind)
     chunks = loss_chunks(run)
+    # chat data: the loss-carrying targets' sum over all targets, rescaled by train_step (trainer/data/chat/batches.py)
+    loss = masked_cross_entropy if run.manifest.data.source == DataSource.chat else spec.loss
     if chunks == 1:
-        return HeadLoss(spec.loss)
-    return HeadLoss(spec.loss, chunks, spec.head.hidden, spec.head.logits)
+        return HeadLoss(loss)
+    return HeadLoss(loss, chunks, spec.head.hidden, spec.head.logits)
 
 
 def stage_split(run: Resolved) -> StageSplit | None:

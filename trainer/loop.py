@@ -97,7 +97,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
         with _nonfinite_recorded(status, saves), \
                 build_run_sinks(run, info.is_rank0, device, resumed.step if resumed else None) as sinks:
             stepper = build_stepper(run, device, training, preempt, guard, carried.get("rollbacks", 0))
-            rows = MetricRows(sinks, meter, validation, guard, memory, kind_metrics(run, training), watchdog)
+            rows = MetricRows(sinks, meter, validation, guard, memory, kind_metrics(run, training), watchdog,
+                              loader.tokens_with_loss)
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()

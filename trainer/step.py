@@ -52,32 +52,45 @@ class Stepper(Protocol):
 
 def train_step(model, sync: GradSync, microbatches, device, autocast, tp: int, grad_accum: int,
                cp: ContextShard | None = None, loss_fn: LossFn | HeadLoss = cross_entropy) -> torch.Tensor:
-    """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced).
+    """Forward and backward over this rank's microbatches; returns the mean loss (a tensor, not synced): the
+    mean of the microbatches' losses, or under chat data their scaled sum (trainer/data/chat/batches.py).
     `cp`: under context parallel this rank's slice of each sequence (its tokens, targets and RoPE
     positions); every cp rank's mean is over as many tokens, so the dp×cp average is the global mean.
     `loss_fn`: the kind's loss, or a HeadLoss that takes it chunk by chunk (train.loss_chunks)."""
     head = as_head_loss(loss_fn)
-    total = None
-    for i, (inputs, targets, *documents) in enumerate(microbatches):  # documents: data.document_mask
+    total, scaled = None, False
+    for i, microbatch in enumerate(microbatches):
+        inputs, targets, documents, scale = microbatch_parts(microbatch)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         positions = None
         if cp is not None:
             inputs, targets, positions = cp.slice(inputs, targets)
         with sync.backward_context(last=i == len(microbatches) - 1):
             with autocast:  # the logits, or (chunked loss) the head's input
-                if documents:
-                    out = head.forward(model, inputs, documents=documents[0].to(device, non_blocking=True))
+                if documents is not None:
+                    out = head.forward(model, inputs, documents=documents.to(device, non_blocking=True))
                 else:
                     out = head.forward(model, inputs) if positions is None else head.forward(model, inputs, positions)
             with loss_context(tp):  # vocab-parallel cross-entropy under tensor parallel
                 loss = head.loss(model, out, targets, autocast)
                 del out  # the loss saved what its backward needs: the fp32 logits (4·b·s·V/tp bytes) go now
-                (loss / grad_accum).backward()
+                if scale is not None:  # chat: the global batch's token mean (trainer/data/chat/batches.py)
+                    loss, scaled = loss * scale, True
+                    loss.backward()
+                else:
+                    (loss / grad_accum).backward()
         loss = loss.detach()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # tp: a replicated DTensor
         total = loss if total is None else total + loss
     sync.finish_backward()
-    return total / len(microbatches)
+    return total if scaled else total / len(microbatches)
+
+
+def microbatch_parts(microbatch: Sequence) -> tuple:
+    """(inputs, targets, documents or None, loss scale or None) of a loader's microbatch: (inputs, targets),
+    + documents under data.document_mask, or chat's (inputs, targets, documents or None, scale)."""
+    inputs, targets, *rest = microbatch
+    return inputs, targets, rest[0] if rest else None, rest[1] if len(rest) > 1 else None
 
 
 def model_forward_backward(model, sync: GradSync, device, autocast, tp: int, grad_accum: int,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer, Resumed
+from trainer.data.hf_dir import tokenizer_json
 from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
 from trainer.data.tokens import DataError
 from trainer.manifest.choices import DataSource
@@ -81,9 +82,9 @@ class Saves:
 def carried_files(data: DataSection) -> dict[str, bytes]:
     """The files every checkpoint of the run carries besides its state: the run's own tokenizer.json, read
     once at the start (what the run tokenizes with), so an export takes it from the checkpoint."""
-    if DataSource(data.source) is not DataSource.text or data.tokenizer == "byte":
+    if DataSource(data.source) not in (DataSource.text, DataSource.chat) or data.tokenizer == "byte":
         return {}
-    path = Path(os.path.expanduser(data.tokenizer))
+    path = tokenizer_json(Path(os.path.expanduser(data.tokenizer)))  # a model directory: its tokenizer.json
     with open(path, "rb") as f:
         tokenizer = f.read(MAX_TOKENIZER_BYTES + 1)
     if len(tokenizer) > MAX_TOKENIZER_BYTES:

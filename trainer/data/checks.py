@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.corpus.index import index_path
-from trainer.data.tokenizer_file import tokenizer_problem
+from trainer.data.chat.checks import chat_errors
+from trainer.data.hf_dir import tokenizer_problem_of
 from trainer.data.tokens import BYTE_VOCAB, TOKEN_DTYPES, file_problem, resolve_path
 from trainer.manifest.choices import DataSource, TokenDtype
 from trainer.manifest.sections import DataSection
@@ -36,7 +37,7 @@ def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
             return [("dtype" if field == "path" else field, f"file '{path}' has {size} bytes, not a multiple of "
                      f"{itemsize}; fix data.dtype or re-run `mantra tokenize`")]
         size //= itemsize
-    elif data.tokenizer != "byte":
+    elif data.tokenizer != "byte" or src is DataSource.chat:
         return []  # the token count is only known after tokenizing
     if size < seq_len + 1:
         return [(field, f"file '{path}' holds {size} tokens, fewer than one window of seq_len + 1 = "
@@ -44,6 +45,16 @@ def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
     if data.document_mask and src is DataSource.tokens and (problem := file_problem(index_path(path))):
         return [(field, f"document index '{index_path(path)}' {problem} (data.document_mask reads the EOS id "
                  "there); run `mantra data tokenize`, which writes it, or set document_mask: false")]
+    return []
+
+
+def _tokenizer_errors(tokenizer: str, vocab: int, base_dir: str | Path | None) -> list[tuple[str, str]]:
+    """A tokenizer.json or a Hugging Face model directory: there, and fit for model.vocab (size, ids, regexes)."""
+    path = resolve_path(tokenizer, base_dir)
+    if not path.is_dir() and (problem := file_problem(path)):
+        return [("tokenizer", f"tokenizer '{tokenizer}' {problem}; use 'byte', a local tokenizer.json or a model directory")]
+    if problem := tokenizer_problem_of(path, vocab):
+        return [("tokenizer", f"tokenizer '{tokenizer}' {problem}")]
     return []
 
 
@@ -55,26 +66,26 @@ def check_data(
     Fields: path, dtype, tokenizer, sources (the blend as a whole), sources.<i>.path, valid."""
     errors: list[tuple[str, str]] = []
     src = DataSource(data.source)
-    if data.document_mask and src is not DataSource.tokens:
+    if data.document_mask and src not in (DataSource.tokens, DataSource.chat):
         errors.append(("document_mask", f"needs data.source: tokens (a file from `mantra data tokenize`, whose .idx "
-                       f"names the EOS id), got '{src.value}'; tokenize the data or set document_mask: false"))
+                       f"names the EOS id) or chat, got '{src.value}'; tokenize the data or set document_mask: false"))
     if src is DataSource.synthetic:
         if data.sources:
             errors.append(("sources", "a blend reads files; set data.source to tokens or text, or remove data.sources"))
         if data.valid:
             errors.append(("valid", "validation reads a file; set data.source to tokens or text, or remove data.valid"))
         return errors
-    if src is DataSource.text and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
+    if src in (DataSource.text, DataSource.chat) and data.tokenizer == "byte" and vocab < BYTE_VOCAB:
         errors.append(("tokenizer", f"byte-level text needs model.vocab >= 256, got {vocab}; raise model.vocab"))
-    if src is DataSource.text and data.tokenizer != "byte":
-        if problem := file_problem(resolve_path(data.tokenizer, base_dir)):
-            errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}; use 'byte' or a local tokenizer.json"))
-        elif problem := tokenizer_problem(resolve_path(data.tokenizer, base_dir), vocab):  # size, ids, regexes
-            errors.append(("tokenizer", f"tokenizer '{data.tokenizer}' {problem}"))
+    if src in (DataSource.text, DataSource.chat) and data.tokenizer != "byte":
+        errors += _tokenizer_errors(data.tokenizer, vocab, base_dir)
+    if src is DataSource.chat:
+        errors += chat_errors(data, vocab, base_dir)
     if data.sources and data.path:
         return errors + [("sources", "set data.path (one file) or data.sources (a blend), not both; remove one")]
     if not data.sources and not data.path:
-        what = "a .bin of token ids" if src is DataSource.tokens else "a text file"
+        what = {DataSource.tokens: "a .bin of token ids", DataSource.chat: "a .jsonl or .parquet of conversations"}.get(
+            src, "a text file")
         return errors + [("path", f"source '{src.value}' needs a path; set data.path to {what}, "
                           "or list files to blend in data.sources")]
     files = [(f"sources.{i}.path", s.path) for i, s in enumerate(data.sources)] if data.sources else [("path", data.path)]

@@ -15,7 +15,7 @@ counted alone, with perm drawn from PCG64([seed, s, e]). The validation file
 (data.valid) is read in order, unshuffled: the same global batches each time.
 The loader reads the next steps in a background thread, or with data.workers in
 worker processes that each open the data themselves (trainer/data/prefetch.py).
-Files of token ids are written by `mantra data tokenize` (trainer/data/corpus/).
+Files of token ids are written by `mantra data tokenize` (trainer/data/corpus/); chat data: trainer/data/chat/.
 
 data.document_mask: each microbatch also carries `documents` [micro_batch, seq_len], every input
 token's document number within its window (`document_ids`), and attention stays within a document
@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from trainer.data.blend import Blend
+from trainer.data.chat.batches import chat_tensors, loss_tokens, read_chat
+from trainer.data.chat.pack import ChatStream
 from trainer.data.checks import check_data
 from trainer.data.corpus import CorpusError
 from trainer.data.corpus.index import index_path, read_index
@@ -126,6 +128,10 @@ def open_streams(data: DataSection, *, seq_len: int, vocab: int, seed: int = 0,
     _checked(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)
     if DataSource(data.source) is DataSource.synthetic:
         return [TokenStream(None, vocab=vocab, seed=seed, name=f"synthetic(vocab={vocab})")]
+    if DataSource(data.source) is DataSource.chat:
+        from trainer.data.chat.pack import open_chat
+
+        return [open_chat(data, seq_len=seq_len, vocab=vocab, base_dir=base_dir)]
     files = [(f"sources.{i}.path", s.path) for i, s in enumerate(data.sources)] if data.sources else [("path", data.path)]
     return [_open_file(value, field, data, seq_len=seq_len, vocab=vocab, seed=seed, base_dir=base_dir)
             for field, value in files]
@@ -195,17 +201,21 @@ class SampleOrder:
 
     def samples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(source ids, window ids) of this rank's samples at `step`, each [microbatches, micro_batch]."""
-        first = step * self.global_batch + self.dp_rank * self.local
+        src, win = self.samples_of(step * self.global_batch + self.dp_rank * self.local, self.local)
+        shape = (self.microbatches, self.micro_batch)
+        return src.reshape(shape), win.reshape(shape)
+
+    def samples_of(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source ids, window ids) of global samples first .. first + count - 1, flat."""
         if self.blend is None:
-            src, j = np.zeros(self.local, dtype=np.int64), np.arange(first, first + self.local, dtype=np.int64)
+            src, j = np.zeros(count, dtype=np.int64), np.arange(first, first + count, dtype=np.int64)
         else:
-            src, j = self.blend.take(first, self.local)
+            src, j = self.blend.take(first, count)
         win = np.empty_like(j)
         for source in np.unique(src):
             mask = src == source
             win[mask] = self._windows(int(source), j[mask])
-        shape = (self.microbatches, self.micro_batch)
-        return src.reshape(shape), win.reshape(shape)
+        return src, win
 
     def indices(self, step: int) -> np.ndarray:
         """[microbatches, micro_batch] window ids (sample ids when the stream is synthetic)."""
@@ -253,7 +263,8 @@ def _worker_read(step: int) -> list[tuple[np.ndarray, ...]]:
 
 class Loader:
     """Tensors for one rank: `microbatches(step)` -> [(inputs, targets)], each [micro_batch, seq_len] int64;
-    [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`).
+    [(inputs, targets, documents)] when the streams carry an EOS id (data.document_mask, `document_ids`);
+    chat: [(inputs, targets, documents or None, loss scale)] (trainer/data/chat/batches.py).
 
     prefetch > 0: a background thread reads that many steps ahead (trainer/data/prefetch.py), into pinned
     memory when `pin_memory` (a GPU run). `workers` (data.workers): worker processes read the steps
@@ -262,10 +273,11 @@ class Loader:
 
     def __init__(self, streams: TokenStream | Sequence[TokenStream], order: SampleOrder, seq_len: int, *,
                  prefetch: int = 0, pin_memory: bool = False, unit: str = "step",
-                 workers: WorkerRecipe | None = None) -> None:
+                 workers: WorkerRecipe | None = None, chat_documents: bool = False) -> None:
         self.streams = [streams] if isinstance(streams, TokenStream) else list(streams)
         self.order, self.seq_len, self.pin_memory, self.unit = order, seq_len, pin_memory, unit
-        self.documents = any(st.eos is not None for st in self.streams)
+        self.chat = [st for st in self.streams if isinstance(st, ChatStream)]  # one stream: chat has no blend
+        self.documents = any(st.eos is not None for st in self.streams) or (bool(self.chat) and chat_documents)
         self._workers = workers is not None
         if workers is not None:
             self._ahead = ProcessPrefetcher(_worker_read, max(prefetch, workers.workers), workers.workers,
@@ -289,6 +301,8 @@ class Loader:
         numbers [micro_batch, seq_len] under document_mask. Read now, in any thread or process;
         DataReadError names what failed."""
         src, win = self.order.samples(step)
+        if self.chat:
+            return read_chat(self.chat[0], win, self.documents, self.tokens_with_loss(step), self.order)
         out = []
         for m, (row_src, row_win) in enumerate(zip(src, win)):
             rows, docs = [], []
@@ -309,11 +323,17 @@ class Loader:
         import torch
 
         out = []
+        if self.chat:
+            return [chat_tensors(arrays_m, self.pin_memory) for arrays_m in arrays]
         for windows, *documents in arrays:
             batch = torch.from_numpy(windows)
             tensors = (batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), *map(torch.from_numpy, documents))
             out.append(tuple(t.pin_memory() for t in tensors) if self.pin_memory else tensors)
         return out
+
+    def tokens_with_loss(self, step: int) -> int:
+        """The targets of step `step`'s global batch (all ranks) that carry loss: all, or chat's (no communication)."""
+        return loss_tokens(self.chat[0], self.order, step) if self.chat else self.order.global_batch * self.seq_len
 
     def read(self, step: int) -> list[tuple[Any, ...]]:
         """The step's microbatches as tensors, read now (any thread); DataReadError names what failed."""
@@ -364,7 +384,7 @@ def build_loader(data: DataSection, *, seq_len: int, vocab: int, seed: int, glob
                                          micro_batch=micro_batch, microbatches=microbatches, dp_rank=dp_rank,
                                          dp_size=dp_size, base_dir=base_dir), workers)
     return Loader(streams, order, seq_len, prefetch=data.prefetch if prefetch is None else prefetch,
-                  pin_memory=pin_memory, workers=recipe)
+                  pin_memory=pin_memory, workers=recipe, chat_documents=data.document_mask)
 
 
 def build_valid_loader(data: DataSection, *, seq_len: int, vocab: int, global_batch: int, micro_batch: int,

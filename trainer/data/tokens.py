@@ -2,7 +2,7 @@
 
     resolve_path("data/train.bin", base_dir)    # relative paths read against the manifest's directory
     file_problem(path)                          # "does not exist", "is a directory", ... or None (stat only)
-    ids, vocab = encode(text_bytes, "byte")     # or a local tokenizer.json
+    ids, vocab = encode(text_bytes, "byte")     # or a local tokenizer.json, or a model directory holding one
 
 Torch-free (numpy only): the data checks `mantra validate` runs (checks.py) and the loader share it.
 """
@@ -47,23 +47,27 @@ def file_problem(path: Path) -> str | None:
     return "is " + next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
-def _hf_tokenizer(path: str | Path) -> Any:
+def hf_tokenizer(path: str | Path) -> Any:
+    """A tokenizers.Tokenizer from a tokenizer.json or a model directory; DataError says `pip install tokenizers`
+    when the package is missing (imported here only)."""
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise DataError(f"tokenizer '{path}' needs the `tokenizers` package; pip install tokenizers") from exc
+    from trainer.data.hf_dir import tokenizer_json
+
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(tokenizer_json(path)))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
         raise DataError(f"tokenizer '{path}' cannot be loaded ({str(exc).strip()[:200]}); use a tokenizer.json "
                         "saved by Hugging Face tokenizers, or 'byte'") from None
 
 
 def encode(data: bytes, tokenizer: str | Path = "byte") -> tuple[np.ndarray, int]:
-    """Token ids of UTF-8 `data` and the tokenizer's vocab size ('byte' or a tokenizer.json path)."""
+    """Token ids of UTF-8 `data` and the tokenizer's vocab size ('byte', a tokenizer.json or a model directory)."""
     if str(tokenizer) == "byte":
         return np.frombuffer(data, dtype=np.uint8), BYTE_VOCAB
-    tok = _hf_tokenizer(tokenizer)
+    tok = hf_tokenizer(tokenizer)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -68,6 +68,12 @@ class DataSource(str, enum.Enum):
     synthetic = "synthetic"
     tokens = "tokens"
     text = "text"
+    chat = "chat"  # rows of {"messages": [{"role", "content"}]}, rendered with a chat template (trainer/data/chat/)
+
+
+class LossOn(str, enum.Enum):
+    assistant = "assistant"  # data.source chat: the loss is taken on the assistant turns' tokens only
+    all = "all"
 
 
 class OnNonFinite(str, enum.Enum):

@@ -26,6 +26,7 @@ from trainer.manifest.choices import (
     DataSource,
     Decay,
     LauncherKind,
+    LossOn,
     MemoryTracking,
     OnNonFinite,
     OptimizerName,
@@ -271,9 +272,11 @@ MAX_SOURCES = 4096  # data.sources entries
 
 class DataSection(Section):
     source: DataSource = Field(DataSource.synthetic)
-    path: str | None = Field(None, description="a .bin of token ids (tokens) or a text file (text)")
+    path: str | None = Field(None, description="a .bin of token ids (tokens), a text file (text), a .jsonl/.parquet (chat)")
     dtype: TokenDtype = Field(TokenDtype.uint16, description="token id width in a .bin")
-    tokenizer: str = Field("byte", description="text only: 'byte' or a local tokenizer.json")
+    tokenizer: str = Field("byte", description="text, chat: 'byte', a local tokenizer.json or a Hugging Face model directory")
+    chat_template: str | None = Field(None, description="chat: a Jinja file; default: the tokenizer's tokenizer_config.json")
+    loss_on: LossOn = Field(LossOn.assistant, description="chat: assistant (the loss on assistant turns only) or all")
     sources: tuple[BlendSource, ...] | None = Field(
         None, description="instead of path: several files of the same source kind blended by weight; every prefix "
         "of the run holds each file's share within one sample (trainer/data/blend.py)", max_length=MAX_SOURCES,
@@ -286,10 +289,8 @@ class DataSection(Section):
         0, description="worker processes that read the steps ahead, for decode-heavy sources; 0: the prefetch "
         "thread", le=64
     )
-    document_mask: bool = Field(
-        False, description="attention stays within each document of a packed sample (documents end at the EOS id "
-        "the token file's .idx names); tokens source only"
-    )
+    document_mask: bool = Field(False, description="attention stays within each document of a packed sample (tokens: "
+                                "up to the EOS id the token file's .idx names; chat: each conversation)")
 
 
 class CheckpointSection(Section):

@@ -27,6 +27,7 @@ from trainer.models.spec import (  # noqa: F401  re-exported: what a kind's pack
     OutputHead,
     PipelineSpec,
     cross_entropy,
+    masked_cross_entropy,
     lazy,
 )
 from trainer.parallel.names import canonical_name  # noqa: F401  re-exported: model kinds seed by it

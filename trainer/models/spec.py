@@ -44,6 +44,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss under chat data: the cross-entropy summed over the targets that carry loss (not -100) and
+    divided by all targets, B x S; 0, not NaN, when none does. train_step rescales it into the global
+    batch's mean over loss-carrying tokens (trainer/data/chat/batches.py)."""
+    import torch.nn.functional as F
+
+    summed = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return summed / targets.numel()
+
+
 def _no_parallel_issues(cfg: ModelSection, parallel: ParallelSection) -> list[Issue]:
     return []
 

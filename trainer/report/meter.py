@@ -16,9 +16,9 @@ from typing import Any
 # step_time_max_over_median: the slowest rank's compute time per step over the median rank's (null on one rank;
 # trainer/report/straggler.py)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "val_loss", "val_ppl",
+               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "tokens_with_loss", "val_loss", "val_ppl",
                "step_time_max_over_median")
-INT_KEYS = frozenset({"step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes"})
+INT_KEYS = frozenset({"step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes", "tokens_with_loss"})
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
 # substring of torch.cuda.get_device_name(); the longest matching key wins.

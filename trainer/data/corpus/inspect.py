@@ -21,6 +21,7 @@ import numpy as np
 from trainer.data.corpus import CorpusError
 from trainer.data.corpus.index import DTYPES, Index, index_path, read_index
 from trainer.data.corpus.progress import Bar
+from trainer.data.hf_dir import tokenizer_json
 
 SCAN_TOKENS = 1 << 24  # tokens per step of the max-id scan: the memmap is never read whole
 BAR_WIDTH = 40
@@ -61,6 +62,8 @@ def _decode(ids: np.ndarray, tokenizer: str | None) -> tuple[str, str]:
         if ids.size and int(ids.max()) > 255:
             return f"ids {ids[:40].tolist()}", "ids above 255: not byte-level; pass --tokenizer"
         return bytes(ids.astype(np.uint8)).decode("utf-8", errors="replace"), "byte-level"
+    if tokenizer and Path(tokenizer).is_dir():  # a Hugging Face model directory: its tokenizer.json
+        tokenizer = str(tokenizer_json(tokenizer))
     if tokenizer and Path(tokenizer).is_file():
         from trainer.data.corpus.tokenize import _load_hf
 

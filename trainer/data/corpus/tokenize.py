@@ -1,6 +1,6 @@
 """`mantra data tokenize IN... --out FILE.bin`: documents to a token file and its document index.
 
-    mantra data tokenize corpus/ --out data/train.bin --tokenizer tokenizer.json --workers 4
+    mantra data tokenize corpus/ --out data/train.bin --tokenizer tokenizer.json --workers 4   # or --tokenizer MODEL_DIR
 
 The main process reads the inputs into ordered chunks (readers.py), N spawned workers parse and encode
 them (ordered_map keeps the order and at most 2N chunks in flight), and the main process writes the
@@ -28,6 +28,7 @@ from trainer.data.corpus.index import DTYPES, IndexWriter, index_path, temp_path
 from trainer.data.corpus.pool import ordered_map
 from trainer.data.corpus.progress import Bar
 from trainer.data.corpus.readers import Chunk, documents, find_sources, iter_chunks
+from trainer.data.hf_dir import tokenizer_json
 from trainer.data.tokenizer_file import MAX_DEPTH, MAX_TOKENIZER_BYTES, regexes, unsafe_regex
 
 BYTE_VOCAB = 256
@@ -74,8 +75,11 @@ def load_spec(tokenizer: str = "byte", *, eos: str | None = None, dtype: str | N
             raise CorpusError("--eos applies to a tokenizer.json; the byte-level EOS is 0")
         eos_id, vocab = BYTE_EOS, BYTE_VOCAB
     else:
+        if Path(tokenizer).is_dir():  # a Hugging Face model directory: its tokenizer.json
+            tokenizer = str(tokenizer_json(tokenizer))
         if not Path(tokenizer).is_file():
-            raise CorpusError(f"tokenizer '{tokenizer}' is not a file; pass 'byte' or a local tokenizer.json")
+            raise CorpusError(f"tokenizer '{tokenizer}' is not a file; pass 'byte', a local tokenizer.json or a "
+                              "model directory holding one")
         for pattern in regexes(_tokenizer_tree(tokenizer)):  # the shape that backtracks without end is refused
             if (why := unsafe_regex(pattern)) is not None:
                 raise CorpusError(f"tokenizer '{tokenizer}': regex {pattern[:60]!r} {why}; use a pattern "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from trainer.manifest.errors import Diagnostic
 from trainer.manifest.partial import SetAside, View
-from trainer.manifest.rules.data import data_files, data_source, document_mask_layouts
+from trainer.manifest.rules.data import chat_layouts, data_files, data_source, document_mask_layouts
 from trainer.manifest.rules.finding import Finding, Rule
 from trainer.manifest.rules.model import model_capabilities, model_plugin, not_supported_yet, torch_supports_features
 from trainer.manifest.rules.parallel import (
@@ -71,6 +71,7 @@ RULES: tuple[Rule, ...] = (
     data_source,
     validation,
     document_mask_layouts,
+    chat_layouts,
     torch_supports_features,
     not_supported_yet,
 )

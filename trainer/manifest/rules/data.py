@@ -20,6 +20,8 @@ def _about_a_file(data, field: str) -> bool:
         return True
     if field == "valid":
         return DataSource(data.source) is not DataSource.synthetic
+    if field == "chat_template":
+        return bool(data.chat_template) or data.tokenizer != "byte"
     return field == "dtype" or (field == "tokenizer" and data.tokenizer != "byte")
 
 
@@ -55,3 +57,16 @@ def document_mask_of(document_mask: bool, cp: int, pp: int) -> Iterator[Finding]
     if document_mask and pp > 1:
         yield Finding("data.document_mask", "not supported yet: document masking with pipeline parallel (the "
                       "stages pass no mask along); set document_mask: false or pp: 1")
+
+
+def chat_layouts(m: Manifest) -> Iterator[Finding]:
+    """data.source chat scales each microbatch's loss in train_step (trainer/data/chat/batches.py): not in a
+    pipeline's schedule or across a context-parallel split yet."""
+    if DataSource(m.data.source) is not DataSource.chat:
+        return
+    if m.parallel.pp > 1:
+        yield Finding("data.source", "not supported yet: chat data with pipeline parallel (the schedule takes "
+                      "no per-microbatch loss scale); set parallel.pp: 1")
+    if m.parallel.cp > 1:
+        yield Finding("data.source", "not supported yet: chat data with context parallel (each cp rank would "
+                      "count its own loss tokens); set parallel.cp: 1")
