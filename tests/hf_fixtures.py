@@ -1,0 +1,49 @@
+"""Tiny Hugging Face model directories for the init.hf tests, built with transformers (nothing fetched).
+
+    hf_dir = llama_dir(tmp_path / "hf", tie=False, shards=1)    # config.json + model.safetensors
+    manifest = init_manifest(tmp_path, hf_dir, extra={...})     # the tiny manifest with init.hf: hf_dir
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from conftest import merge, tiny_config
+
+# the tiny manifest's model (tests/conftest.py TINY) in transformers' terms
+LLAMA = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+             vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0)
+MODEL = {"kind": "llama", "dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_dim": 64, "vocab": 256,
+         "seq_len": 32, "norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+def llama_model(tie: bool = False, seed: int = 5):
+    """A LlamaForCausalLM with random weights, norms not all ones (so a swapped norm shows)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=tie, dtype=torch.float32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_dir(path: Path, tie: bool = False, shards: int = 1, seed: int = 5) -> Path:
+    """save_pretrained of llama_model: one model.safetensors, or about `shards` files with their index."""
+    model = llama_model(tie, seed)
+    size = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(path, max_shard_size=f"{size // shards // 1000 + 1}KB" if shards > 1 else "5GB")
+    return path
+
+
+def init_manifest(directory: Path, hf_dir: Path, name: str = "ft", extra: dict | None = None) -> Path:
+    """The tiny manifest starting from `hf_dir`, written as DIRECTORY/NAME.yaml."""
+    config = merge(tiny_config(name, directory / name), {"model": MODEL, "init": {"hf": str(hf_dir)}, **(extra or {})})
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
