@@ -19,13 +19,14 @@ MODEL = {"kind": "llama", "dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "ff
          "seq_len": 32, "norm_eps": 1e-5, "rope_theta": 10000.0}
 
 
-def llama_model(tie: bool = False, seed: int = 5):
-    """A LlamaForCausalLM with random weights, norms not all ones (so a swapped norm shows)."""
+def llama_model(tie: bool = False, seed: int = 5, **shape):
+    """A LlamaForCausalLM with random weights, norms not all ones (so a swapped norm shows); `shape`: config
+    keys other than LLAMA's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=tie, dtype=torch.float32)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA | shape, tie_word_embeddings=tie, dtype=torch.float32)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -38,6 +39,12 @@ def llama_dir(path: Path, tie: bool = False, shards: int = 1, seed: int = 5) -> 
     model = llama_model(tie, seed)
     size = sum(p.numel() * 4 for p in model.parameters())
     model.save_pretrained(path, max_shard_size=f"{size // shards // 1000 + 1}KB" if shards > 1 else "5GB")
+    return path
+
+
+def llama_model_dir(path: Path, **shape) -> Path:
+    """save_pretrained of llama_model(**shape) as one model.safetensors."""
+    llama_model(**shape).save_pretrained(path)
     return path
 
 
