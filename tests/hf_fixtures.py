@@ -48,6 +48,33 @@ def llama_model_dir(path: Path, **shape) -> Path:
     return path
 
 
+MIXTRAL = dict(LLAMA, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+MOE = {"kind": "moe", "dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 256, "seq_len": 32,
+       "norm_eps": 1e-5, "rope_theta": 10000.0, "experts": 4, "top_k": 2, "expert_ffn_dim": 48}
+
+
+def mixtral_model(seed: int = 7):
+    """A MixtralForCausalLM with random weights (norms not all ones) and a router that spreads the tokens."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL, dtype=torch.float32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def mixtral_dir(path: Path, seed: int = 7) -> Path:
+    """save_pretrained of mixtral_model: Mixtral's per-expert checkpoint layout."""
+    mixtral_model(seed).save_pretrained(path)
+    return path
+
+
 def init_manifest(directory: Path, hf_dir: Path, name: str = "ft", extra: dict | None = None) -> Path:
     """The tiny manifest starting from `hf_dir`, written as DIRECTORY/NAME.yaml."""
     config = merge(tiny_config(name, directory / name), {"model": MODEL, "init": {"hf": str(hf_dir)}, **(extra or {})})

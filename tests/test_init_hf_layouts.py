@@ -21,16 +21,18 @@ LAYOUTS = {  # world 4: the rest of the ranks is data parallel
     "tp2": {"parallel": {"tp": 2}},
     "pp2": {"parallel": {"pp": 2, "schedule": "zb-h1"}, "train": {"global_batch": 8, "micro_batch": 2}},
     "zero3": {"parallel": {"optimizer_sharding": "zero3"}},
+    "ep2": {"parallel": {"ep": 2}},  # the Mixtral: each ep rank reads its 2 of the 4 experts
 }
 
 
 def layout_run(out: Path, name: str, nproc: int, settings: dict, hf: str = "hf"):
     from conftest import merge, tiny_config
-    from hf_fixtures import MODEL
+    from hf_fixtures import MODEL, MOE
     from trainer.manifest.resolve import resolve
     from trainer.manifest.schema import Manifest
 
-    config = merge(tiny_config(name, out / name), {"model": MODEL, "init": {"hf": str(out / hf)},
+    model, hf = (MOE, "mixtral") if name == "ep2" else (MODEL, hf)
+    config = merge(tiny_config(name, out / name), {"model": model, "init": {"hf": str(out / hf)},
                                                    "launcher": {"nproc": nproc}, **settings})
     return resolve(Manifest.model_validate(config), f"<{name}>")
 
@@ -65,36 +67,42 @@ def worker(out: Path) -> None:
 
     from conftest import worker_done
     from harness import full_parameters
-    from hf_fixtures import llama_model
+    from hf_fixtures import llama_model, mixtral_model
     from trainer.models import get_model_spec
     from trainer.parallel.mesh import build_mesh
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config = {"model_type": "llama", **llama_model().config.to_dict()}
-    _, expected = get_model_spec("llama").hf.from_hf(load_file(out / "hf" / "model.safetensors"), config)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = llama_model().forward(input_ids=tokens, use_cache=False).logits
+    expected, reference = {}, {}
+    for kind, hf_model, hf in (("llama", llama_model(), "hf"), ("moe", mixtral_model(), "mixtral")):
+        config = hf_model.config.to_dict()
+        _, expected[kind] = get_model_spec(kind).hf.from_hf(load_file(out / hf / "model.safetensors"), config)
+        with torch.no_grad():
+            reference[kind] = hf_model.forward(input_ids=tokens, use_cache=False).logits
     result: dict = {"rank": rank}
     for name, settings in LAYOUTS.items():
+        kind = "moe" if name == "ep2" else "llama"
         run = layout_run(out, name, 4, settings)
-        model = loaded(run, build_mesh(run.layout.sizes, torch.device("cpu")))[0].model
+        model = loaded(run, build_mesh(run.layout.sizes, torch.device("cpu"), ep=run.layout.ep))[0].model
         full = full_parameters(model)
         result[f"{name}_params"] = sorted(full)
-        result[f"{name}_equal"] = all(torch.equal(full[k], expected[k]) for k in full)
+        result[f"{name}_equal"] = all(torch.equal(full[k], expected[kind][k]) for k in full)
+        result[f"{name}_experts_local"] = [p.to_local().shape[0] for n, p in model.named_parameters()
+                                           if n.endswith("experts.w1")]
         if name != "pp2":
             with torch.no_grad():
                 logits = model(tokens)
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-            result[f"{name}_logit_error"] = ((logits - reference).abs().max() / reference.abs().max()).item()
+            want = reference[kind]
+            result[f"{name}_logit_error"] = ((logits - want).abs().max() / want.abs().max()).item()
         dist.barrier()
     big = {"model": BIG_MODEL}
     if rank == 0:  # one rank loading the whole (bigger) model: the reference for the bytes
         result["one_rank_peak"] = loaded(layout_run(out, "one", 1, big, "big"), None)[1]
     dist.barrier()
     run = layout_run(out, "big-zero3", 4, big | {"parallel": {"optimizer_sharding": "zero3"}}, "big")
-    parts, result["zero3_peak"] = loaded(run, build_mesh(run.layout.sizes, torch.device("cpu")))
+    parts, result["zero3_peak"] = loaded(run, build_mesh(run.layout.sizes, torch.device("cpu"), ep=run.layout.ep))
     result["zero3_local_bytes"] = sum(p.to_local().numel() * 4 for p in parts.model.parameters())
     worker_done(out, result)
 
@@ -102,9 +110,10 @@ def worker(out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_every_layout_holds_its_slice_of_the_hf_weights(tmp_path):
-    from hf_fixtures import llama_dir, llama_model_dir
+    from hf_fixtures import llama_dir, llama_model_dir, mixtral_dir
 
     llama_dir(tmp_path / "hf")
+    mixtral_dir(tmp_path / "mixtral")
     big = llama_model_dir(tmp_path / "big", **BIG)
     big_bytes = (big / "model.safetensors").stat().st_size
     ranks = run_worker(__file__, 4, tmp_path, timeout=600)
@@ -113,6 +122,7 @@ def test_every_layout_holds_its_slice_of_the_hf_weights(tmp_path):
             assert r[f"{name}_equal"], (name, r["rank"])
             if name != "pp2":
                 assert r[f"{name}_logit_error"] <= 1e-5, (name, r)
+    assert all(r["ep2_experts_local"] == [2, 2] for r in ranks)  # 2 of 4 experts per layer on each rank
     every = set().union(*[r["pp2_params"] for r in ranks])
     assert all(len(r["pp2_params"]) < len(every) for r in ranks)  # each stage read only its own layers
     one, whole = ranks[0]["one_rank_peak"], big_bytes
