@@ -50,6 +50,9 @@ def load_checkpoint_weights(model: nn.Module, step_dir: Path, verify: bool) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint.resume import one_line
     from trainer.checkpoint.integrity import COMMITTED, read_marker
     from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader, legacy_checkpoint
 
@@ -59,5 +62,12 @@ def load_checkpoint_weights(model: nn.Module, step_dir: Path, verify: bool) -> N
     reader = TrustedReader(step_dir, marker)
     reader.read_metadata()
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    try:
+        dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    except CheckpointException as exc:  # raised inside DCP's read (a shard's checksum): keep its last line
+        raise InitError(f"init.checkpoint {step_dir}: {one_line(exc)}") from None
     set_model_state_dict(model, state["model"])
+
+
+class InitError(RuntimeError):
+    """The weights `init` names could not be read (one line: the file and what is wrong)."""

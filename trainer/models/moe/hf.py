@@ -164,7 +164,9 @@ def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     for what our moe cannot hold (a sliding window shorter than the context, another activation, a head dim
     other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise and are
     not carried over. router_aux_loss_coef becomes balance.aux_loss.coeff = coef * top_k, in mantra's
-    per-layer form; its pooled form (HF's own objective) is `balance.aux_loss.form: pooled`."""
+    per-layer form (the mean of each layer's loss), where HF pools every layer's statistics before one loss:
+    the coefficient's strength carries over, HF's exact objective does not (README, "Which balance objective
+    travels")."""
     if hf_cfg.get("model_type", "mixtral") != "mixtral":
         raise refusal("moe", "model_type", f"{hf_cfg.get('model_type')!r} is not mixtral")
     section = {"kind": "moe", **decoder_section(hf_cfg, "moe")}
