@@ -32,6 +32,23 @@ def test_the_starter_manifest_validates_and_runs_3_steps(tmp_path) -> None:
     rows = read_jsonl(tmp_path / "runs" / "tiny-llama-ft" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert 5.0 < rows[0]["loss"] < 6.0  # transformers' init: about ln(256), not a seeded model's by chance
+    exported = mantra("export", str(tmp_path / "runs" / "tiny-llama-ft" / "ckpt"), "--to", "hf", str(tmp_path / "out"),
+                      cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert_fine_tuned_from(tmp_path / "out", hf_dir)
+
+
+def assert_fine_tuned_from(out, hf_dir) -> None:
+    """transformers loads the export: the original's shapes, every weight moved a little by 3 steps of AdamW."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tuned = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    assert tuned.keys() == original.keys()
+    for name, value in original.items():
+        moved = (tuned[name] - value).abs().max().item()
+        assert 0 < moved < 1e-3, (name, moved)  # lr 2e-5: each Adam step moves a weight by about the lr
 
 
 def test_with_gpus_the_layout_is_searched_and_named(tmp_path) -> None:
