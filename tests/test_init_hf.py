@@ -140,3 +140,15 @@ def test_both_sources_at_once_are_refused(tmp_path) -> None:
     lines = errors_of(path)
     assert any("init.hf and init.checkpoint are both set" in line for line in lines), lines
     assert yaml.safe_load(path.read_text())["model"] == MODEL
+
+
+def test_a_mixtral_checks_what_its_architecture_implies(tmp_path) -> None:
+    from hf_fixtures import MOE, mixtral_dir
+
+    hf_dir = mixtral_dir(tmp_path / "mixtral")
+    ok = init_manifest(tmp_path, hf_dir, "ok", {"model": MOE | {"balance": {"aux_loss": None}}})
+    load_manifest(ok)  # the balance terms are the run's to choose
+    lines = errors_of(init_manifest(tmp_path, hf_dir, "bad", {"model": MOE | {"experts": 8, "shared_experts": 1}}))
+    assert len(lines) == 2, lines
+    assert any(f"model.experts: 8 != num_local_experts 4 in {hf_dir / 'config.json'}" in line for line in lines)
+    assert any("model.shared_experts: 1 != moe's architecture 0" in line for line in lines), lines

@@ -51,18 +51,22 @@ def hf_findings(m: Manifest, hf_dir: Path) -> Iterator[Finding]:
     yield from model_mismatches(m, theirs, mapping.keys or {}, hf_dir / "config.json")
 
 
+TRAINING_TERMS = ("kind", "balance", "capacity_factor")  # how a run trains, not what the weights are
+
+
 def model_mismatches(m: Manifest, theirs: dict, keys: dict, config: Path) -> Iterator[Finding]:
-    """One finding per `model:` field that differs from config.json's (seq_len may be shorter: a run may
-    train on shorter sequences than the model's context)."""
-    for field, key in keys.items():
-        ours, value = getattr(m.model, field, None), theirs.get(field)
+    """One finding per `model:` field that differs from what config.json says (seq_len may be shorter: a run
+    may train on shorter sequences than the model's context); a field config.json has no key for (an MoE's
+    shared experts) is named by what the architecture implies."""
+    for field, value in theirs.items():
+        ours = getattr(m.model, field, None)
         if field == "kv_heads" and ours is None:  # unset: as many as heads
             ours = m.model.heads
-        if ours is None or value is None:
+        if field in TRAINING_TERMS or value is None or (field == "seq_len" and ours is not None and ours <= value):
             continue
-        if field == "seq_len" and ours <= value:
-            continue
-        if ours != value and not (isinstance(value, float) and abs(ours - value) <= 1e-12 * abs(value)):
+        if ours != value and not (isinstance(value, float) and isinstance(ours, float)
+                                  and abs(ours - value) <= 1e-12 * abs(value)):
+            key = keys.get(field, f"{theirs['kind']}'s architecture")
             more = f"at most {_show(value)}" if field == "seq_len" else _show(value)
             yield Finding(f"model.{field}", f"{_show(ours)} != {key} {_show(value)} in {config}; set "
                           f"model.{field}: {more}, or point init.hf at the model this manifest describes")
