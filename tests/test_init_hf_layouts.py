@@ -1,5 +1,6 @@
 """init.hf under tp2, pp2 and zero3 on 4 real ranks (one launch): every rank holds exactly its slice of the
-transformers model's weights, the tp2 and zero3 logits equal transformers', and the bytes allocated while
+transformers model's weights (also tp2 with zero3, cp2 and a Mixtral at ep2), the logits equal transformers'
+(but pp2's and cp2's, whose forwards take the pipeline's and cp's inputs), and the bytes allocated while
 loading (the resident set's high-water mark, reset before) are measured per rank for zero3 against one rank
 loading the whole model (a bigger one, 256 wide with a 16384 vocabulary, so the weights dwarf the noise).
 
@@ -21,6 +22,8 @@ LAYOUTS = {  # world 4: the rest of the ranks is data parallel
     "tp2": {"parallel": {"tp": 2}},
     "pp2": {"parallel": {"pp": 2, "schedule": "zb-h1"}, "train": {"global_batch": 8, "micro_batch": 2}},
     "zero3": {"parallel": {"optimizer_sharding": "zero3"}},
+    "tp2zero3": {"parallel": {"tp": 2, "optimizer_sharding": "zero3"}},  # FSDP over tp's shards
+    "cp2": {"parallel": {"cp": 2}},  # parameters whole on each cp rank (only attention is split)
     "ep2": {"parallel": {"ep": 2}},  # the Mixtral: each ep rank reads its 2 of the 4 experts
 }
 
@@ -90,7 +93,7 @@ def worker(out: Path) -> None:
         result[f"{name}_equal"] = all(torch.equal(full[k], expected[kind][k]) for k in full)
         result[f"{name}_experts_local"] = [p.to_local().shape[0] for n, p in model.named_parameters()
                                            if n.endswith("experts.w1")]
-        if name != "pp2":
+        if name not in ("pp2", "cp2"):  # (their forwards take the pipeline's and cp's inputs)
             with torch.no_grad():
                 logits = model(tokens)
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -120,7 +123,7 @@ def test_every_layout_holds_its_slice_of_the_hf_weights(tmp_path):
     for name in LAYOUTS:
         for r in ranks:
             assert r[f"{name}_equal"], (name, r["rank"])
-            if name != "pp2":
+            if name not in ("pp2", "cp2"):
                 assert r[f"{name}_logit_error"] <= 1e-5, (name, r)
     assert all(r["ep2_experts_local"] == [2, 2] for r in ranks)  # 2 of 4 experts per layer on each rank
     every = set().union(*[r["pp2_params"] for r in ranks])
