@@ -100,6 +100,13 @@ def test_validate_exits_2_with_one_line_per_field(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
     good = mantra("validate", str(init_manifest(tmp_path, hf_dir, "good")))
     assert good.returncode == 0, good.stderr
+    import subprocess
+    import sys
+
+    probe = "import sys; from trainer.manifest import load_manifest; load_manifest(sys.argv[1]); print('torch' in sys.modules)"
+    checked = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "good.yaml")], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    assert checked.stdout.strip() == "False", checked.stderr  # config.json and headers read without torch
 
 
 def test_a_refused_read_leaves_the_seeded_weights(tmp_path) -> None:
