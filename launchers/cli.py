@@ -336,6 +336,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """`mantra` and its commands, in the order `mantra --help` lists them."""
     from launchers.data_cli import add_data_parser, add_tokenize_arguments
+    from launchers.new_from_hf import add_new_command
     from launchers.plan_command import add_plan_command
 
     parser = argparse.ArgumentParser(prog="mantra", description="A declarative trainer for large language models.")
@@ -343,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_local_commands(sub)
     add_plan_command(sub, add_manifest_arguments)
+    add_new_command(sub)
     add_run_dir_commands(sub)
     add_submit_command(sub)
     add_info_commands(sub)

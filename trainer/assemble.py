@@ -29,6 +29,7 @@ from trainer.checkpoint.saves import Saves, TrainState, carried_files
 from trainer.data.evaluate import Validation, build_validation
 from trainer.data.loader import Loader, build_loader
 from trainer.dist import RankInfo
+from trainer.init.weights import load_initial_weights, starts_from_init
 from trainer.manifest import Resolved, dump_manifest
 from trainer.manifest.schema import Sharding
 from trainer.manifest.choices import DataSource
@@ -182,12 +183,15 @@ class Training:
 
 
 def build_training(run: Resolved, device: torch.device) -> Training:
-    """mesh -> the model kind's parts, seeded -> grad sync + optimizer -> cp slice -> pipeline -> LR schedule."""
+    """mesh -> the model kind's parts, seeded (or init's weights) -> grad sync + optimizer -> cp slice -> pipeline
+    -> LR schedule."""
     m, layout = run.manifest, run.layout
     mesh = build_mesh(layout.sizes, device, ep=layout.ep)  # ep: the ep and expert-dp groups, carved from dp x cp
     torch.manual_seed(m.train.seed)
     split = stage_split(run)  # the pipeline cut, once: the kind's stages and zb-auto's costs both read it
     parts = build_parts(run, mesh, device, split)  # the model, and under pp this rank's stage modules
+    if starts_from_init(run):  # init.hf / init.checkpoint, unless the run has a checkpoint of its own
+        load_initial_weights(parts.model, run)
     sync = build_grad_sync(parts, run, mesh, device)  # none | zero1 | zero2 | zero3: owns the optimizer
     cp = context_shard(run, mesh)  # None, or this cp rank's slice of every sequence
     pipeline = build_pipeline(parts, sync, run, mesh, device, split=split) if split else None  # this rank's stages

@@ -27,6 +27,8 @@ PATH_FIELDS: dict[Path_, Callable[[str], bool]] = {
     ("checkpoint", "dir"): lambda value: True,
     ("checkpoint", "resume_from"): lambda value: not value.isdigit(),  # a step number
     ("logging", "dir"): lambda value: True,
+    ("init", "hf"): lambda value: True,
+    ("init", "checkpoint"): lambda value: True,
 }
 
 # Lists of sections whose entries each name a file under one key: data.sources: [{path, weight}]

@@ -82,6 +82,7 @@ from trainer.manifest.sections import (  # noqa: F401  re-exported: the sections
     WandbMode,
     WandbSection,
 )
+from trainer.manifest.init_section import InitSection
 from trainer.models import config_class, model_names
 from trainer.registry import UnknownNameError
 
@@ -94,6 +95,8 @@ class Manifest(ManifestSections):
     (one per kind, cached) whose `model` is the kind's config class. Every instance is of such a subclass;
     `isinstance(x, Manifest)` holds for all of them. Build manifests with model_validate, not Manifest(...).
     """
+
+    init: InitSection = Field(InitSection(), description="weights to start from: init.hf or init.checkpoint")
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Manifest:

@@ -170,11 +170,21 @@ class HFMapping:
         `from_pretrained` reads from model.safetensors; a tied head may be left out).
     from_hf(hf_state_dict, hf_config): (the `model:` section as a dict, our state dict), ValueError naming the
         config.json key it cannot hold; None if not mapped.
+    section, sources, keys: the same mapping without the tensors, for `init.hf` (below; None if not mapped).
     """
 
     config: Callable[[Any], dict[str, Any]]
     to_hf: Callable[[Mapping[str, Any], Any], dict[str, Any]]
     from_hf: Callable[[Mapping[str, Any], Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None
+    # section(hf_config): the `model:` section as a dict from config.json alone, torch-free (`mantra validate`
+    # compares it with the manifest's); ValueError naming the config.json key it cannot hold.
+    section: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    # sources(section): each of our parameters (canonical FQN) -> the HF tensor names it is read from, torch-free:
+    # one name, or several stacked along a new first dimension (an MoE's experts); `init.hf` reads each rank's
+    # slices of them lazily (trainer/init/hf_weights.py).
+    sources: Callable[[Mapping[str, Any]], dict[str, tuple[str, ...]]] | None = None
+    # config.json's key for each `model:` field the section sets (the messages name it): {"dim": "hidden_size"}
+    keys: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)

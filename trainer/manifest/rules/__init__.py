@@ -18,6 +18,7 @@ supports by its capabilities (model.py).
     model.py      the model kind: its checks, its capabilities, what is not supported yet, torch
     data.py       the data section and its files
     train.py      the learning-rate schedule, the validation cadence, the selective policy
+    init.py       the init section: config.json against model:, the weight files (validate and run only)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainer.manifest.errors import Diagnostic
 from trainer.manifest.partial import SetAside, View
 from trainer.manifest.rules.data import chat_layouts, data_files, data_source, document_mask_layouts
 from trainer.manifest.rules.finding import Finding, Rule
+from trainer.manifest.rules.init import init_source
 from trainer.manifest.rules.model import model_capabilities, model_plugin, not_supported_yet, torch_supports_features
 from trainer.manifest.rules.parallel import (
     batch_arithmetic,
@@ -75,7 +77,7 @@ RULES: tuple[Rule, ...] = (
     torch_supports_features,
     not_supported_yet,
 )
-FILE_RULES: tuple[Rule, ...] = (data_files,)  # rules that look at files the manifest names: skipped by plan and dry-run
+FILE_RULES: tuple[Rule, ...] = (data_files, init_source)  # rules that look at files the manifest names: skipped by plan and dry-run
 
 
 def _path(field: str) -> tuple[str | int, ...]:

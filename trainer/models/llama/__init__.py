@@ -44,7 +44,8 @@ SPEC = ModelSpec(
     parallelize=lazy("trainer.models.llama.parallelize:parallelize_llama"),
     pipeline=PIPELINE,
     plan=lazy("trainer.models.llama.plan:plan_model"),  # imported on use: validate loads no planner
-    hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
+    hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf, section=hf.section_from_hf,
+                 sources=hf.sources, keys=hf.HF_KEYS),
     head=HEAD,
     capabilities=Capabilities(document_mask=True, context_parallel=True, compile=True,
                               activation_checkpointing=("none", "full", "selective"),

@@ -138,18 +138,47 @@ def decoder_from_hf(hf_state: Mapping[str, torch.Tensor], section: Mapping[str, 
     return ours
 
 
-def from_hf(hf_state: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A LlamaForCausalLM's config.json and state dict as (our `model:` section, our state dict): the
-    inverse of hf_config and to_hf_state_dict. ValueError, naming the key, for what our Llama cannot
-    hold (biases, another activation, a head dim other than dim / heads, RoPE scaling)."""
+# config.json's key for each `model:` field decoder_section sets (init.hf's messages name them)
+DECODER_KEYS = {"dim": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "kv_heads": "num_key_value_heads", "vocab": "vocab_size", "seq_len": "max_position_embeddings",
+                "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+HF_KEYS = DECODER_KEYS | {"ffn_dim": "intermediate_size"}
+
+
+def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A LlamaForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key, for
+    what our Llama cannot hold (biases, another activation, a head dim other than dim / heads, RoPE scaling)."""
     if hf_cfg.get("model_type", "llama") != "llama":
         raise refusal("llama", "model_type", f"{hf_cfg.get('model_type')!r} is not llama")
     for key in ("attention_bias", "mlp_bias"):
         if hf_cfg.get(key):
             raise refusal("llama", key, "biases are not part of the model")
-    section = {"kind": "llama", **decoder_section(hf_cfg, "llama"), "ffn_dim": int(hf_cfg["intermediate_size"])}
-    ours = decoder_from_hf(hf_state, section)
+    return {"kind": "llama", **decoder_section(hf_cfg, "llama"), "ffn_dim": int(hf_cfg["intermediate_size"])}
+
+
+class _Names(dict):
+    """A stand-in HF state dict whose value for every name is the name: maps names through decoder_from_hf."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+def decoder_sources(section: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Our decoder's parameters (everything but the MLPs) -> the one HF tensor each is read from."""
+    return {ours: (theirs,) for ours, theirs in decoder_from_hf(_Names(), section).items()}
+
+
+def sources(section: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Each of our parameters -> the LlamaForCausalLM tensor it is (a tied head has none of its own)."""
+    out = decoder_sources(section)
     for i in range(section["layers"]):
         for our_name, hf_name in _MLP_NAMES.items():
-            ours[f"layers.{i}.{our_name}"] = hf_state[f"model.layers.{i}.{hf_name}"]
-    return section, ours
+            out[f"layers.{i}.{our_name}"] = (f"model.layers.{i}.{hf_name}",)
+    return out
+
+
+def from_hf(hf_state: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A LlamaForCausalLM's config.json and state dict as (our `model:` section, our state dict): the
+    inverse of hf_config and to_hf_state_dict (section_from_hf names what it refuses)."""
+    section = section_from_hf(hf_cfg)
+    return section, {ours: hf_state[theirs] for ours, (theirs,) in sources(section).items()}

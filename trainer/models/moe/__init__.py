@@ -34,7 +34,8 @@ SPEC = ModelSpec(
     pipeline=PIPELINE,  # the Llama's cut: the same attributes
     head=HEAD,  # the Llama's head and forward (MoETransformer derives from it)
     plan=lazy("trainer.models.moe.plan:plan_model"),
-    hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf),
+    hf=HFMapping(config=hf.hf_config, to_hf=hf.to_hf_state_dict, from_hf=hf.from_hf, section=hf.section_from_hf,
+                 sources=hf.sources, keys=hf.HF_KEYS),
     capabilities=Capabilities(document_mask=True, context_parallel=True, compile=True,
                               activation_checkpointing=("none", "full", "selective"), expert_parallel=True,
                               selective_policies=("all-matmuls", "alternate-matmuls")),

@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.models.spec import HFMappingError
 from trainer.models.llama.hf import (
+    DECODER_KEYS,
     config_json,
     decoder_config_kwargs,
     decoder_from_hf,
     decoder_section,
+    decoder_sources,
     decoder_to_hf,
     refusal,
 )
@@ -153,13 +155,18 @@ def _experts_from_hf(hf_state: Mapping[str, torch.Tensor], layer: int, experts: 
     return out
 
 
-def from_hf(hf_state: Mapping[str, torch.Tensor],
-            hf_cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A MixtralForCausalLM's config.json and state dict (checkpoint or in-memory layout) as (our `model:`
-    section, our state dict): the inverse of hf_config and to_hf_state_dict. ValueError, naming the key,
-    for what our moe cannot hold (a sliding window shorter than the context, another activation, a head
-    dim other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise
-    and are not carried over."""
+HF_KEYS = DECODER_KEYS | {"experts": "num_local_experts", "top_k": "num_experts_per_tok",
+                          "expert_ffn_dim": "intermediate_size"}
+
+
+def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A MixtralForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key,
+    for what our moe cannot hold (a sliding window shorter than the context, another activation, a head dim
+    other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise and are
+    not carried over. router_aux_loss_coef becomes balance.aux_loss.coeff = coef * top_k, in mantra's
+    per-layer form (the mean of each layer's loss), where HF pools every layer's statistics before one loss:
+    the coefficient's strength carries over, HF's exact objective does not (README, "Which balance objective
+    travels")."""
     if hf_cfg.get("model_type", "mixtral") != "mixtral":
         raise refusal("moe", "model_type", f"{hf_cfg.get('model_type')!r} is not mixtral")
     section = {"kind": "moe", **decoder_section(hf_cfg, "moe")}
@@ -168,14 +175,33 @@ def from_hf(hf_state: Mapping[str, torch.Tensor],
         raise refusal("moe", "sliding_window", f"{window} is shorter than max_position_embeddings "
                       f"({section['seq_len']}) and our attention sees the whole context")
     experts, top_k = int(hf_cfg["num_local_experts"]), int(hf_cfg["num_experts_per_tok"])
-    ffn = int(hf_cfg["intermediate_size"])
     aux = float(hf_cfg.get("router_aux_loss_coef", 0.0)) * top_k
-    section |= {
-        "experts": experts, "top_k": top_k, "expert_ffn_dim": ffn, "shared_experts": 0, "first_dense_layers": 0,
-        "score": "softmax", "norm_topk_prob": True, "capacity_factor": None,
+    return section | {
+        "experts": experts, "top_k": top_k, "expert_ffn_dim": int(hf_cfg["intermediate_size"]), "shared_experts": 0,
+        "first_dense_layers": 0, "score": "softmax", "norm_topk_prob": True, "capacity_factor": None,
         "balance": {"aux_loss": {"coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
     }
+
+
+def sources(section: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Each of our parameters -> the Mixtral checkpoint tensors it is read from: one, or a layer's experts
+    stacked (the per-expert layout every saved Mixtral uses; module docstring)."""
+    out = decoder_sources(section)
+    for i in range(section["layers"]):
+        mine, theirs = f"layers.{i}.feed_forward.", f"model.layers.{i}.block_sparse_moe."
+        out[mine + "router.gate.weight"] = (theirs + "gate.weight",)
+        for w in _WEIGHTS:
+            out[f"{mine}experts.{w}"] = tuple(f"{theirs}experts.{e}.{w}.weight" for e in range(section["experts"]))
+    return out
+
+
+def from_hf(hf_state: Mapping[str, torch.Tensor],
+            hf_cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A MixtralForCausalLM's config.json and state dict (checkpoint or in-memory layout) as (our `model:`
+    section, our state dict): the inverse of hf_config and to_hf_state_dict (section_from_hf names what it
+    refuses)."""
+    section = section_from_hf(hf_cfg)
     ours = decoder_from_hf(hf_state, section)
     for i in range(section["layers"]):
-        ours |= _experts_from_hf(hf_state, i, experts, ffn)
+        ours |= _experts_from_hf(hf_state, i, section["experts"], section["expert_ffn_dim"])
     return section, ours

@@ -1,0 +1,135 @@
+"""A local Hugging Face model directory, read as hostile and without torch (`mantra validate` runs this).
+
+    config = read_config(hf_dir)                      # config.json: a bounded JSON object
+    weights = find_weights(hf_dir, allow_pickle)      # every tensor name -> (file, dtype, shape)
+
+Weights are safetensors (one `model.safetensors`, or shards listed by `model.safetensors.index.json`);
+each file's header is read and checked against the file's size, so a truncated file is refused here, before
+any rank reads it. `pytorch_model.bin` (a pickle) is refused unless `init.allow_pickle: true`; its tensor names
+are known only once torch reads it (weights_only=True: trainer/init/hf_weights.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAX_JSON_BYTES = 16 << 20  # config.json and the index: far above any real one
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its header
+SAFETENSORS, INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+class HFDirError(ValueError):
+    """What is wrong with the directory, one line naming the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str  # safetensors' name ("F32", "BF16"); "" for a pickle's, unknown until read
+    shape: tuple[int, ...] | None  # None for a pickle's
+
+
+@dataclass(frozen=True)
+class Weights:
+    pickle: bool  # pytorch_model.bin (read with torch.load(weights_only=True))
+    tensors: dict[str, TensorInfo]  # for a pickle: empty (its names come from torch.load)
+    files: tuple[Path, ...]
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of at most MAX_JSON_BYTES; HFDirError for a missing, oversized or malformed one."""
+    if not path.is_file():
+        raise HFDirError(f"{path} is missing; init.hf needs a Hugging Face model directory with it")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise HFDirError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; it is not a Hugging Face file")
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HFDirError(f"{path} is not valid JSON ({exc})") from None
+
+
+def read_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json as a dict."""
+    if not hf_dir.is_dir():
+        raise HFDirError(f"{hf_dir} is not a directory; init.hf names a local Hugging Face model directory")
+    config = read_json(hf_dir / "config.json")
+    if not isinstance(config, dict):
+        raise HFDirError(f"{hf_dir / 'config.json'} is not a JSON object")
+    return config
+
+
+def safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file from its header, checked against the file's size."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HFDirError(f"{path} is truncated ({size} bytes, no safetensors header); download it again")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise HFDirError(f"{path} is truncated or not safetensors (header of {length} bytes in a file of "
+                             f"{size}); download it again")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise HFDirError(f"{path} has a malformed safetensors header; download it again") from None
+    if not isinstance(header, dict):
+        raise HFDirError(f"{path} has a malformed safetensors header; download it again")
+    out, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, stop) = str(entry["dtype"]), tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
+            end = max(end, int(stop))
+        except (KeyError, TypeError, ValueError):
+            raise HFDirError(f"{path}: tensor {name!r} has a malformed header entry; download the file again") from None
+        out[name] = TensorInfo(path, dtype, shape)
+    if 8 + length + end > size:
+        raise HFDirError(f"{path} is truncated ({size} bytes, its header says {8 + length + end}); download it again")
+    return out
+
+
+def shard_files(hf_dir: Path, index_name: str) -> dict[str, Path]:
+    """An index's weight_map: tensor name -> shard file inside hf_dir, each file there."""
+    index = read_json(hf_dir / index_name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFDirError(f"{hf_dir / index_name} has no weight_map of tensor names to files")
+    out = {}
+    for name, file in weight_map.items():
+        path = hf_dir / file
+        if Path(file).is_absolute() or ".." in Path(file).parts or "/" in file:
+            raise HFDirError(f"{hf_dir / index_name}: shard {file!r} is not a file name inside {hf_dir}")
+        if not path.is_file():
+            raise HFDirError(f"{path} is missing (a shard {index_name} lists for {name}); download it again")
+        out[name] = path
+    return out
+
+
+def find_weights(hf_dir: Path, allow_pickle: bool) -> Weights:
+    """The directory's weight files: sharded or single safetensors, else a permitted pickle."""
+    if (hf_dir / INDEX).exists():
+        by_name = shard_files(hf_dir, INDEX)
+        tensors: dict[str, TensorInfo] = {}
+        for file in sorted(set(by_name.values())):
+            tensors |= {k: v for k, v in safetensors_header(file).items() if by_name.get(k) == file}
+        missing = sorted(set(by_name) - set(tensors))
+        if missing:
+            raise HFDirError(f"{by_name[missing[0]]} has no tensor {missing[0]!r} though {INDEX} lists it there")
+        return Weights(False, tensors, tuple(sorted(set(by_name.values()))))
+    if (hf_dir / SAFETENSORS).exists():
+        return Weights(False, safetensors_header(hf_dir / SAFETENSORS), (hf_dir / SAFETENSORS,))
+    pickles = tuple(sorted(set(shard_files(hf_dir, PICKLE_INDEX).values()))) if (hf_dir / PICKLE_INDEX).exists() \
+        else (hf_dir / PICKLE,) if (hf_dir / PICKLE).exists() else ()
+    if pickles and not allow_pickle:
+        raise HFDirError(f"{pickles[0]} is a pickle, which can run code when read; convert the directory to "
+                         "safetensors, or set init.allow_pickle: true (read with torch.load(weights_only=True))")
+    if pickles:
+        return Weights(True, {}, pickles)
+    raise HFDirError(f"{hf_dir} has no {SAFETENSORS}, {INDEX} or {PICKLE}; init.hf needs the model's weights")
