@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-PERIOD_S = 0.1
+PERIOD_S = 0.5  # a sample reads every process's /proc/PID/stat (~14 ms of CPU on 150 processes): ~3% of a core
 
 
 def _children() -> dict[int, list[int]]:
