@@ -1,15 +1,15 @@
-"""The share of a core a run's threads got while they could run, read from the kernel's scheduler statistics,
-and the busy cores it amounts to: whether a step time measured on a shared host is the machine's own.
+"""The share of its runnable time a run's threads waited for a core, read from the kernel's scheduler
+statistics: whether a step time measured on a shared host is the machine's own.
 
     with ShareMeter(proc.pid, steady) as meter:  # proc: the `mantra run` just started (its launcher, its ranks)
         proc.wait()                              # steady(): whether the steps measured have begun
-    meter.busy_cores(cores=2, threads=2)     # 0.0 alone on the machine; 1.0: as if one more thread competed
+    meter.waited()                           # 0.0 alone on the machine; 1/3: two ranks and one busy core
 
 Every thread of the process tree has /proc/PID/task/TID/schedstat: nanoseconds on a core, nanoseconds waiting
 runnable for one. A sampler keeps each thread's latest pair while the run lives (they vanish when it ends).
-The run's threads got run / (run + wait) of a core while runnable; the scheduler's fair share among
-`threads` of the run and B busy others on `cores` cores is cores / (threads + B), so B = cores / share - threads
-(0 when the run never waited). Counted from the first sample at which `steady()` is true (the steps a
+The run's threads waited wait / (run + wait) of the time they could run (a fair scheduler giving `threads` of
+the run and B busy others cores / (threads + B) of a core each: 1 - cores / (threads + B) once they outnumber
+the cores, nothing before). Counted from the first sample at which `steady()` is true (the steps a
 calibration measures, not the start-up), or over the whole run if it never is. The scheduler may share by
 session (autogroup) rather than by thread; the measured share is what the ranks got either way.
 """
@@ -71,12 +71,12 @@ class ShareMeter:
                 self.seen[(pid, stat.parent.name)] = (run_ns, wait_ns)
             todo += children.get(pid, [])
 
+    def waited(self) -> float:
+        """The share of their runnable time the run's threads spent waiting for a core."""
+        return 1.0 - self.share()
+
     def share(self) -> float:
         base = self.base or {}
         run = sum(r - base.get(k, (0, 0))[0] for k, (r, _) in self.seen.items())
         wait = sum(w - base.get(k, (0, 0))[1] for k, (_, w) in self.seen.items())
         return run / (run + wait) if run + wait else 1.0
-
-    def busy_cores(self, cores: int, threads: int) -> float:
-        """The other threads the measured share amounts to, competing with the run's `threads` on `cores`."""
-        return max(cores / self.share() - threads, 0.0)
