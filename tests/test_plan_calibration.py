@@ -13,8 +13,11 @@ import pytest
 
 from trainer.plan.calibrate import SKIP, CalibrationError, steady_step, step_times
 
+sys.path.insert(0, str(Path(__file__).parent))
+from host_share import ShareMeter  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 16
+STEPS = 12
 RUN = ["--set", f"train.steps={STEPS}", "--set", "logging.every=1", "--set", "checkpoint.final=false",
        "--set", "checkpoint.every=0", "--set", "optimizer.warmup=1"]
 OTHERS = {
@@ -25,6 +28,9 @@ OTHERS = {
 # one thread per rank in every run and plan (OMP_NUM_THREADS, which the plan reads as `mantra run` does): two
 # threads of one rank spin against each other on a loaded machine, one per rank do not
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# the share of their runnable time a run's ranks waited for a core (tests/host_share.py) above which its step time
+# says more about the machine than about the plan (two ranks on two cores and one busy core: 1/3)
+WAITED = 0.15
 
 
 def mantra(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -32,23 +38,35 @@ def mantra(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout, env=ENV)
 
 
-def _run(name: str, sets: list[str], tmp_path: Path) -> Path:
+def _logged(run_dir: Path) -> int:
+    try:
+        return (run_dir / "metrics.jsonl").read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _run(name: str, sets: list[str], tmp_path: Path) -> tuple[Path, float]:
+    """The run's directory and the share of their runnable time its threads waited for a core while its steps ran
+    (tests/host_share.py): 0 alone on the machine."""
     out = tmp_path / name.replace(" ", "-")
-    proc = mantra("run", "manifests/tiny-cpu.yaml", *RUN, *sets, "--set", f"logging.dir={out}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "run", "manifests/tiny-cpu.yaml", *RUN, *sets,
+                             "--set", f"logging.dir={out}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    with ShareMeter(proc.pid, lambda: _logged(out) > SKIP) as meter:  # the share while the steps measured ran
+        _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return out, meter.waited()
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=False, reason="issue 29, open: fitted to one tiny-cpu run, the plan predicted dp2 within -2.4% "
-                   "and tp2 within -6.3% but pp2 1f1b 24% low (measured 2026-12-03 at a load average of 3-4; at 3-7 "
-                   "dp2 -29%, pp2 -29%, tp2 -45%; at 6-12 all three missed); the pipeline's cost on CPU ranks beyond "
-                   "its FLOPs is not modelled yet, and a shared machine's load moves the measured steps")
 def test_one_calibrated_run_predicts_three_other_layouts_within_20_percent(tmp_path):
     """Measured back to back (the load of a shared machine drifts slowly), each layout's lower quartile of steady
-    steps (calibrate's own measure: the steps other jobs did not slow)."""
-    one = _run("one", [], tmp_path)
+    steps (calibrate's own measure: the steps other jobs did not slow). The plan models a machine of its own: when
+    other processes took the cores while a run trained (its ranks waited for a core, tests/host_share.py), a run
+    of two ranks on two cores slows more than the one-rank calibration run and the comparison says nothing about
+    the plan; the test then ends as an expected failure naming the load, and asserts otherwise."""
+    one, one_waited = _run("one", [], tmp_path)
     runs = {name: _run(name, sets, tmp_path) for name, sets in OTHERS.items()}
     fit = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, "--gpu", "cpu", "--calibrate", str(one), "--json")
     assert fit.returncode == 0, fit.stderr
@@ -57,16 +75,19 @@ def test_one_calibrated_run_predicts_three_other_layouts_within_20_percent(tmp_p
     efficiency = c["calibration"]["efficiency"]
     report = {}
     for name, sets in OTHERS.items():
+        run_dir, waited = runs[name]
         plan = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, *sets, "--gpu", "cpu", "--efficiency", str(efficiency),
                       "--json")
         predicted = json.loads(plan.stdout)["time"]["step_s"]
-        table = mantra("plan", "manifests/tiny-cpu.yaml", *RUN, *sets, "--gpu", "cpu", "--json")  # before the fit
-        measured = steady_step(step_times(runs[name]))  # as calibrate measures the calibration run
-        report[name] = (predicted, measured, predicted / measured - 1,
-                        json.loads(table.stdout)["time"]["step_s"] / measured - 1)
-    print(json.dumps({"efficiency": efficiency, "calibration_step_s": c["measured_step_s"],
-                      "calibration_error_before": c["before"]["error"], "layouts (predicted, measured, error, "
-                      "error before)": report}))
+        measured = steady_step(step_times(run_dir))  # as calibrate measures the calibration run
+        report[name] = (predicted, measured, predicted / measured - 1, waited)
+    print(json.dumps({"efficiency": efficiency, "calibration_step_s": c["measured_step_s"], "calibration_waited":
+                      one_waited, "calibration_error_before": c["before"]["error"], "load": os.getloadavg(),
+                      "layouts (predicted, measured, error, waited)": report}))
+    most = max(one_waited, *(waited for *_, waited in report.values()))
+    if most > WAITED and any(abs(err) > 0.2 for _, _, err, _ in report.values()):
+        pytest.xfail(f"other processes took the cores: a run's ranks waited for one {most:.0%} of the time they could "
+                     f"run (more than {WAITED:.0%}); (predicted, measured, error, waited): {report}")
     assert all(abs(err) <= 0.2 for _, _, err, _ in report.values()), report
 
 
