@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,9 +32,11 @@ import torch.distributed.checkpoint as dcp
 from trainer.checkpoint.storage import ChecksummingWriter
 from trainer.checkpoint.trainer_state import write_file
 
-# tests only (tests/test_checkpoint_async.py), never set by mantra itself: seconds each background write
-# sleeps before DCP's write, so a write outlasts a cadence; and a step whose write never commits (rank 0
-# holds it before COMMITTED, after every rank's shards are on disk), so a kill lands mid-write
+# tests only (tests/test_checkpoint_async.py), never set by mantra itself. WAIT_FOR_LOOP_ENV=1: each write
+# starts its DCP write only once the loop waits for it (the next save or the end), then sleeps SLOW_WRITE_ENV
+# seconds, so every save finds the previous write in flight however slow the steps; HOLD_COMMIT_ENV: a step
+# whose write never commits (rank 0 holds it before COMMITTED, every shard on disk), so a kill lands mid-write
+WAIT_FOR_LOOP_ENV = "MANTRA_TEST_CKPT_WRITE_WAITS_FOR_LOOP"
 SLOW_WRITE_ENV = "MANTRA_TEST_SLOW_CKPT_WRITE_S"
 HOLD_COMMIT_ENV = "MANTRA_TEST_HOLD_CKPT_COMMIT_AT"
 
@@ -49,6 +51,7 @@ class WriteJob:
     rank: int
     staged: dict
     files: dict[str, bytes]
+    waited_for: threading.Event = field(default_factory=threading.Event)  # set when the loop waits for the write
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Pending:
     target: Path
     future: Future
     start: float
+    waited_for: threading.Event
 
 
 def start_write(job: WriteJob, group, check: Callable, commit: Callable[[int, Path], None]) -> Future:
@@ -92,9 +96,9 @@ def write(job: WriteJob, group, check: Callable, commit: Callable[[int, Path], N
     _barrier(group)
     job.target.mkdir(parents=True, exist_ok=True)
     own = {name: write_file(job.target / name, data) for name, data in job.files.items()}
-    slow = float(os.environ.get(SLOW_WRITE_ENV) or 0)
-    if slow > 0:
-        time.sleep(slow)
+    if os.environ.get(WAIT_FOR_LOOP_ENV) == "1":
+        job.waited_for.wait()
+        time.sleep(float(os.environ.get(SLOW_WRITE_ENV) or 0))
     dcp.save(job.staged, storage_writer=ChecksummingWriter(job.target, job.rank, own), process_group=group)
     if job.rank == 0 and os.environ.get(HOLD_COMMIT_ENV) == str(job.step):
         threading.Event().wait()

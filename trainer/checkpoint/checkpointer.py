@@ -279,7 +279,7 @@ class Checkpointer:
         if self._async_group is None and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")  # the background's collectives, apart from training's
         future = start_write(job, self._async_group, self._check_staged, self._commit)
-        self._pending = Pending(step, target, future, start)
+        self._pending = Pending(step, target, future, start, job.waited_for)
         log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
         return target
 
@@ -317,6 +317,7 @@ class Checkpointer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        pending.waited_for.set()
         try:
             self.write_s = pending.future.result()  # re-raises a failed write on this rank
         except (Exception, CheckpointException) as exc:
