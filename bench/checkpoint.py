@@ -2,6 +2,7 @@
 
     python bench/checkpoint.py            # tiny (3.3M) and ~100M Llama, one process, AdamW state included
     python bench/checkpoint.py --quick    # tiny alone (batch 1), a 16 MiB checksum buffer (tests/test_bench_smoke.py)
+    python bench/checkpoint.py --ranks 2  # ~100M under `mantra run`, dp2 zero2: the same numbers from metrics.jsonl
 
 "Lost" is what the training loop waits for: the whole save when synchronous,
 only the staging copy when asynchronous (the write then overlaps training;
@@ -28,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -160,6 +163,46 @@ def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves:
     return rows
 
 
+def ranks_bench(name: str, overrides: list[str], tmp: Path, ranks: int, every: int, steps: int) -> list[dict]:
+    """`mantra run` on `ranks` ranks (dp, zero2), synchronous then asynchronous saves every `every` steps,
+    read back from metrics.jsonl. lost_s: the mean ckpt_stall_s of the save steps after the first; total_s:
+    the synchronous stall, or the asynchronous stall plus the write's ckpt_write_s (logged at the next save);
+    overlapped: the steps after a save until its write ends (their step_time_s adding up to it); plain: the
+    steps before the first save but the first."""
+    rows = []
+    for mode in ("sync", "async"):
+        run_dir = tmp / f"{name}-{mode}-{ranks}"
+        sets = [*overrides, f"data.path={ROOT}/manifests/data/python-docs.txt", f"logging.dir={run_dir}",
+                "logging.every=1", "logging.sinks=[jsonl]", f"train.steps={steps}", f"checkpoint.every={every}",
+                f"train.global_batch={ranks}", f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+                "parallel.optimizer_sharding=zero2"]
+        cmd = [sys.executable, "-m", "launchers.cli", "run", str(ROOT / "manifests/tiny-cpu.yaml"), "--nproc", str(ranks)]
+        subprocess.run(cmd + [arg for s in sets for arg in ("--set", s)], cwd=ROOT, check=True, capture_output=True)
+        got = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+        saves = [s for s in got if s % every == 0 and s + every <= steps]  # each with a later save that logs its write
+        writes = {s: got[s + every]["ckpt_write_s"] if mode == "async" else 0.0 for s in saves}
+        overlapped = []
+        for s in saves if mode == "async" else []:
+            left = writes[s]
+            for later in range(s + 1, s + every):
+                if left <= 0:
+                    break
+                overlapped.append(got[later]["step_time_s"])
+                left -= got[later]["step_time_s"]
+        steady = saves[1:] or saves
+        rows.append({"bench": "checkpoint", "model": name, "ranks": ranks, "layout": f"dp{ranks} zero2", "mode": mode,
+                     "saves": len(saves), "lost_s": _mean([got[s]["ckpt_stall_s"] for s in steady]),
+                     "first_lost_s": round(got[saves[0]]["ckpt_stall_s"], 3),
+                     "total_s": _mean([got[s]["ckpt_stall_s"] + writes[s] for s in steady]),
+                     "train_step_s": _mean([got[s]["step_time_s"] for s in range(2, every)]),
+                     "overlapped_steps": len(overlapped), "overlapped_step_s": _mean(overlapped)})
+    sync_row, async_row = rows
+    async_row["lost_ratio"] = round(async_row["lost_s"] / sync_row["lost_s"], 3)
+    if async_row["overlapped_step_s"] and async_row["train_step_s"]:
+        async_row["overlap_step_ratio"] = round(async_row["overlapped_step_s"] / async_row["train_step_s"], 3)
+    return rows
+
+
 def main() -> None:
     import argparse
 
@@ -167,8 +210,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model alone, a 16 MiB checksum buffer")
     parser.add_argument("--saves", type=int, default=3, help="saves per mode (the first also allocates staging)")
     parser.add_argument("--steps", type=int, default=4, help="steps without saves: the reference step time")
+    parser.add_argument("--ranks", type=int, default=0, help="instead: llama-100M under `mantra run` on N ranks, "
+                        "dp zero2, saving every --every steps for --run-steps steps, sync then async")
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--run-steps", type=int, default=12)
     args = parser.parse_args()
     quick = args.quick
+    if args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            for row in ranks_bench("llama-100M", SHAPES["llama-100M"], Path(tmp), args.ranks, args.every, args.run_steps):
+                print(json.dumps(row), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         rates = checksum_rates(Path(tmp), 16 if quick else 256)
         print(json.dumps(rates), flush=True)

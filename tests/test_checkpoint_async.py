@@ -118,7 +118,7 @@ def test_async_checkpoints_resume_exactly_under_every_layout(tmp_path):
     manifests = []
     for name, (model, parallel) in LAYOUTS.items():
         first = merge(ASYNC, {"checkpoint": {"every": 2, "keep": 2}, "model": model, "parallel": parallel,
-                              "train": {"steps": 4}})
+                              "train": {"steps": 4}, "launcher": {"nproc": 4}})
         resumed = merge(first, {"checkpoint": {"resume_from": str(tmp_path / name / "ckpt/step-00000002")}})
         manifests += [write_config(tmp_path, name, first), write_config(tmp_path, f"{name}-resumed", resumed)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ASYNC_PORTS=",".join(_ports(len(manifests))))
