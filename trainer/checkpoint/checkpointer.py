@@ -35,6 +35,10 @@ Every file of a checkpoint is treated as hostile, and none is a pickle:
     built (trainer/checkpoint/preflight.py), and a save that runs out of space says how
     much it needed.
 
+Asynchronous saves (checkpoint.async_save): `save` copies the state into reused host buffers
+(trainer/checkpoint/staging.py) and returns; a background thread checks it for NaN/inf, writes it and
+commits it (trainer/checkpoint/background.py). The next save, a stop and the last step wait for it first.
+
 A directory without COMMITTED (a save killed half-way) is skipped with a
 warning; one that fails to load (a corrupted, refused or unverifiable file) is
 reported in one line naming the file and the previous committed checkpoint is
