@@ -10,7 +10,9 @@
     saves.metrics()                          # ckpt_stall_s (this step's wait for a save), ckpt_write_s
 
 Under checkpoint.async_save a save stalls the loop only for its staging copy, and for the previous
-write when that is still in flight (trainer/checkpoint/background.py). Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
+write when that is still in flight (trainer/checkpoint/background.py).
+
+Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
 """
 
 from __future__ import annotations
