@@ -51,7 +51,9 @@ def test_the_kinds_console_fields_are_shown_and_a_missing_one_is_left_out():
 def test_a_step_that_waited_for_a_checkpoint_says_how_long():
     quiet = dict(step_fields(metrics(ckpt_stall_s=0.0, ckpt_write_s=3.1), 150, "n/a (cpu)"))
     saved = dict(step_fields(metrics(ckpt_stall_s=0.042, ckpt_write_s=3.1), 150, "n/a (cpu)"))
-    assert "ckpt" not in quiet and saved["ckpt"] == "ckpt stall 0.042 s (last write 3.10 s)"
+    synchronous = dict(step_fields(metrics(ckpt_stall_s=0.8, ckpt_write_s=None), 150, "n/a (cpu)"))
+    assert "ckpt" not in quiet and "ckpt" not in synchronous  # a synchronous save's line stays as it was
+    assert saved["ckpt"] == "ckpt stall 0.042 s (last write 3.10 s)"
 
 
 def test_torch_native_output_lands_in_the_log_file_and_python_stderr_stays_on_the_console(tmp_path, capfd):

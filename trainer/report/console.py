@@ -42,9 +42,8 @@ def step_fields(m: dict[str, Any], total_steps: int, mfu_na: str,
     out.append(("step_time", f"{num('step_time_s', '.3f')} s/step"))
     if m.get("bubble") is not None:
         out.append(("bubble", f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"))
-    if (m.get("ckpt_stall_s") or 0) >= 0.005:  # a save (or a wait for one) at this step
-        write = "" if m.get("ckpt_write_s") is None else f" (last write {m['ckpt_write_s']:.2f} s)"
-        out.append(("ckpt", f"ckpt stall {m['ckpt_stall_s']:.3f} s{write}"))
+    if (m.get("ckpt_stall_s") or 0) >= 0.005 and m.get("ckpt_write_s") is not None:  # async saves: a stall
+        out.append(("ckpt", f"ckpt stall {m['ckpt_stall_s']:.3f} s (last write {m['ckpt_write_s']:.2f} s)"))
     if m.get("skipped_steps"):
         out.append(("skipped", f"skipped {m['skipped_steps']} non-finite"))
     if (m.get("step_time_max_over_median") or 0) >= STRAGGLER_RATIO:
