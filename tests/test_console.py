@@ -23,7 +23,7 @@ def metrics(step: int = 150, **extra) -> dict:
     return {"step": step, "loss": 2.0709, "grad_norm": 0.798, "lr": 2e-4, "tokens_per_s": 7833.0, "mfu": None,
             "peak_mem_bytes": int(0.57 * 2**30), "step_time_s": 0.261, "busy_s": None, "idle_s": None,
             "bubble": None, "skipped_steps": 0, "peak_tensor_bytes": None, "val_loss": None, "val_ppl": None,
-            "step_time_max_over_median": None} | extra
+            "step_time_max_over_median": None, "ckpt_stall_s": 0.0, "ckpt_write_s": None} | extra
 
 
 def test_the_step_line_fits_80_columns_dropping_the_least_important_fields_first():
@@ -46,6 +46,14 @@ def test_the_kinds_console_fields_are_shown_and_a_missing_one_is_left_out():
     assert ("kind", "load max/mean 1.31") in fields
     assert "load max/mean 1.31" in fit(fields, 100)  # kept at 100 columns, before mem and s/step
     assert not any(name == "kind" for name, _ in step_fields(metrics(), 150, "n/a (cpu)", MOE_FIELDS))
+
+
+def test_a_step_that_waited_for_a_checkpoint_says_how_long():
+    quiet = dict(step_fields(metrics(ckpt_stall_s=0.0, ckpt_write_s=3.1), 150, "n/a (cpu)"))
+    saved = dict(step_fields(metrics(ckpt_stall_s=0.042, ckpt_write_s=3.1), 150, "n/a (cpu)"))
+    synchronous = dict(step_fields(metrics(ckpt_stall_s=0.8, ckpt_write_s=None), 150, "n/a (cpu)"))
+    assert "ckpt" not in quiet and "ckpt" not in synchronous  # a synchronous save's line stays as it was
+    assert saved["ckpt"] == "ckpt stall 0.042 s (last write 3.10 s)"
 
 
 def test_torch_native_output_lands_in_the_log_file_and_python_stderr_stays_on_the_console(tmp_path, capfd):

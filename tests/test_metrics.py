@@ -30,7 +30,7 @@ def fake_steps(n: int = 3, mfu: bool = True, pipeline: bool = True) -> list[dict
             "bubble": 0.05 / (0.2 + 0.01 * i) if pipeline else None, "skipped_steps": i, "rollbacks": i if pipeline else None, "peak_tensor_bytes": 1000 + i,
             "tokens_with_loss": 4096 - i,
             "val_loss": 2.5 - 0.1 * i, "val_ppl": 12.18249396 * 0.904837418 ** i,
-            "step_time_max_over_median": 1.0 + 0.25 * i,
+            "step_time_max_over_median": 1.0 + 0.25 * i, "ckpt_stall_s": 0.01 * i, "ckpt_write_s": 2.0 + i if i else None,
         }
         for i in range(n)
     ]

@@ -3,7 +3,7 @@
     rank: init process group ─> mesh ─> model on meta ─> materialize + seeded init
           ─> parallelize (the model's own function; pp: only this rank's stages) ─> optimizer + LR schedule
           ─> loop: data -> the step (forward/backward per microbatch, pp: the pipeline schedule; clip; optimizer)
-                   -> metrics rows -> checkpoint -> stop on a signal
+                   -> checkpoint (async: staged) -> metrics rows -> stop on a signal
 
 Every rank calls `train(resolved)`; the launcher decides how many there are. The parts come from
 trainer/assemble.py, the step from trainer/step.py (synchronous or post-validated: one `Stepper`), the
@@ -98,7 +98,7 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 build_run_sinks(run, info.is_rank0, device, resumed.step if resumed else None) as sinks:
             stepper = build_stepper(run, device, training, preempt, guard, carried.get("rollbacks", 0))
             rows = MetricRows(sinks, meter, validation, guard, memory, kind_metrics(run, training), watchdog,
-                              loader.tokens_with_loss)
+                              loader.tokens_with_loss, saves.metrics)
             for step in range(first, m.train.steps + 1):
                 watchdog.beat(step, "step")  # each step, and each save below, within train.hang_timeout_s
                 meter.start()
@@ -109,12 +109,12 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
                 training.lr_schedule.step()
                 meter.stop()
                 sinks.advance(step)  # the console's live line, on a terminal
+                counters = {"skipped_steps": guard.skipped, "rollbacks": stepper.rollbacks}  # the checkpoint carries them
+                saves.save_if_due(step, last, counters)  # before the rows: they carry its ckpt_stall_s
                 for outcome in outcomes:  # post-validation: the step before this one, and this one when final
                     rows.write(outcome, step)
                 if outcomes and sinks.should_log(outcomes[-1].step):  # status.json follows the run
                     status.write("running", outcomes[-1].step)
-                counters = {"skipped_steps": guard.skipped, "rollbacks": stepper.rollbacks}  # the checkpoint carries them
-                saves.save_if_due(step, last, counters)
                 stop = next((o.stop for o in outcomes if o.stop), None)  # any rank's signal
                 if stop and not last:  # SIGTERM/USR1: stopped (Slurm: requeue); SIGINT: interrupted
                     saves.save_before_stop(step, saved, counters)

@@ -35,6 +35,10 @@ Every file of a checkpoint is treated as hostile, and none is a pickle:
     built (trainer/checkpoint/preflight.py), and a save that runs out of space says how
     much it needed.
 
+Asynchronous saves (checkpoint.async_save): `save` copies the state into reused host buffers
+(trainer/checkpoint/staging.py) and returns; a background thread checks it for NaN/inf, writes it and
+commits it (trainer/checkpoint/background.py). The next save, a stop and the last step wait for it first.
+
 A directory without COMMITTED (a save killed half-way) is skipped with a
 warning; one that fails to load (a corrupted, refused or unverifiable file) is
 reported in one line naming the file and the previous committed checkpoint is
@@ -64,6 +68,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from trainer.checkpoint.background import Pending, WriteJob, cpu_vote, start_write
 from trainer.checkpoint.dcp_metadata import METADATA
 from trainer.checkpoint.integrity import (
     COMMITTED,
@@ -77,6 +82,7 @@ from trainer.checkpoint.paths import LATEST, committed_steps, step_dir
 from trainer.checkpoint.preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
 from trainer.checkpoint.prune import Pruner
 from trainer.checkpoint.resume import one_line, read_checkpoint, resume_candidates
+from trainer.checkpoint.staging import Staging
 from trainer.checkpoint.storage import ChecksummingWriter
 from trainer.checkpoint.trainer_state import TRAINER, rng_bytes, rng_file, set_rng_state, trainer_bytes, write_file
 from trainer.checkpoint.values import as_tensors
@@ -185,8 +191,10 @@ class Checkpointer:
         self.verify = str(getattr(verify, "value", verify)) != "off"
         self.pruner = Pruner(self.root, keep)
         self.need_bytes: int | None = None
-        self._pending = None  # (future, step, directory, start time) of a background save
+        self._pending: Pending | None = None  # a background save in flight
         self._async_group = None
+        self.staging = Staging(pin=device.type == "cuda")  # reused by every background save
+        self.write_s: float | None = None  # how long the last background save took to write and commit
         if world_size == 1:
             quiet_single_process_warnings()
         self.preflight(model, sync)
@@ -216,15 +224,16 @@ class Checkpointer:
     def save(self, step: int, sync, model, lr_schedule, loader, manifest_text: str = "", asynchronous: bool = False,
              counters: dict[str, int] | None = None) -> Path:
         """Write step `step`. Synchronous: returns once committed. Asynchronous: returns once the state is
-        staged in host memory; the files are written in the background and committed by `poll`/`wait`.
+        staged in host memory (trainer/checkpoint/background.py writes and commits it). Either way a write
+        still in flight commits first (back-pressure, one log line with the wait).
         `counters`: skipped_steps and rollbacks so far, which a resume carries on from."""
-        self.wait()  # one save in flight at a time; the previous one commits first
+        self.wait_in_flight(step)
+        if asynchronous:
+            return self._save_in_background(step, sync, model, lr_schedule, loader, manifest_text, counters)
         state = sync.state_dict(model)
         bad = first_nonfinite(state)
         if not _all_ok(bad is None, self.device):  # every rank refuses alike, before anything is written
-            where = f"'{bad}'" if bad else "a tensor on another rank"
-            raise NonFiniteCheckpoint(f"checkpoint step {step}: {where} holds NaN or inf; not saved "
-                                      f"({self.root / LATEST} stays at the last good checkpoint)")
+            raise self._nonfinite(step, bad)
         state = as_tensors(state)  # the optimizer's plain values as tensors: DCP gets tensors only
         target = step_dir(self.root, step)
         if self.rank == 0:
@@ -235,24 +244,9 @@ class Checkpointer:
         start = time.perf_counter()
         try:
             target.mkdir(parents=True, exist_ok=True)
-            own = {rng_file(self.rank): write_file(target / rng_file(self.rank), rng_bytes())}
-            if self.rank == 0:
-                own[TRAINER] = write_file(target / TRAINER, trainer_bytes(step, self.world_size, lr_schedule, loader,
-                                                                          counters or {}))
-                own[MANIFEST] = write_file(target / MANIFEST, manifest_text.encode())
-                own |= {name: write_file(target / name, data) for name, data in self.carried.items()}
-            writer = ChecksummingWriter(target, self.rank, own)
-            if asynchronous:
-                # DCP's coordinator finishes only after every rank's shards are written (and their checksum
-                # files, see trainer/checkpoint/storage.py), so when rank 0's future is done the whole step is
-                # on disk; a separate gloo group keeps the background thread's collectives apart from training's.
-                if self._async_group is None and dist.is_initialized():
-                    self._async_group = dist.new_group(backend="gloo")
-                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
-                self._pending = (future, step, target, start)
-                log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
-                return target
-            dcp.save(state, storage_writer=writer)
+            files = self._small_files(step, lr_schedule, loader, manifest_text, counters)
+            own = {name: write_file(target / name, data) for name, data in files.items()}
+            dcp.save(state, storage_writer=ChecksummingWriter(target, self.rank, own))
         except (Exception, CheckpointException) as exc:
             if is_out_of_space(exc):
                 raise space_error(self.root, step, self._need()) from None
@@ -263,25 +257,79 @@ class Checkpointer:
         log.info("checkpoint step %d saved to %s in %.2f s", step, target, time.perf_counter() - start)
         return target
 
+    def _nonfinite(self, step: int, bad: str | None) -> NonFiniteCheckpoint:
+        where = f"'{bad}'" if bad else "a tensor on another rank"
+        return NonFiniteCheckpoint(f"checkpoint step {step}: {where} holds NaN or inf; not saved "
+                                   f"({self.root / LATEST} stays at the last good checkpoint)")
+
+    def _small_files(self, step: int, lr_schedule, loader, manifest_text: str, counters) -> dict[str, bytes]:
+        """This rank's files besides DCP's, as bytes taken now: its RNG; rank 0 trainer.json, the manifest
+        and the carried files."""
+        files = {rng_file(self.rank): rng_bytes()}
+        if self.rank == 0:
+            files[TRAINER] = trainer_bytes(step, self.world_size, lr_schedule, loader, counters or {})
+            files[MANIFEST] = manifest_text.encode()
+            files |= self.carried
+        return files
+
+    def _save_in_background(self, step: int, sync, model, lr_schedule, loader, manifest_text: str,
+                            counters) -> Path:
+        """Stage the state and this rank's small files, hand them to a background write; the step's directory."""
+        start = time.perf_counter()
+        staged = self.staging.stage(as_tensors(sync.state_dict(model)))
+        target = step_dir(self.root, step)
+        job = WriteJob(step, self.root, target, self.rank, staged,
+                       self._small_files(step, lr_schedule, loader, manifest_text, counters))
+        if self._async_group is None and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")  # the background's collectives, apart from training's
+        future = start_write(job, self._async_group, self._check_staged, self._commit)
+        self._pending = Pending(step, target, future, start, job.waited_for)
+        log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
+        return target
+
+    def _check_staged(self, step: int, staged, group) -> None:
+        """The background's NaN/inf check of the staged copy: every rank refuses alike, nothing written."""
+        bad = first_nonfinite(staged)
+        if not cpu_vote(bad is None, group):
+            raise self._nonfinite(step, bad)
+
+    @property
+    def writing(self) -> bool:
+        """Whether a background write is still in flight."""
+        return self._pending is not None and not self._pending.future.done()
+
     def poll(self) -> None:
         """Commit a background save that has finished (cheap; call it at step boundaries)."""
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._pending.future.done():
             self.wait()
 
+    def wait_in_flight(self, step: int) -> float:
+        """Back-pressure before saving `step`: wait for a write still in flight to commit; the seconds
+        waited, said in one line when it was still writing."""
+        if self._pending is None:
+            return 0.0
+        writing, older, start = not self._pending.future.done(), self._pending.step, time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - start
+        if writing:
+            log.warning("checkpoint step %d waited %.2f s for step %d's background write to commit "
+                        "(a write takes longer than checkpoint.every steps)", step, waited, older)
+        return waited
+
     def wait(self) -> None:
-        """Block until the background save (if any) is written, then commit it."""
+        """Block until the background save (if any) is written and committed; `write_s` is its duration."""
         if self._pending is None:
             return
-        future, step, target, start = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        pending.waited_for.set()
         try:
-            future.result()  # re-raises a failed write on this rank
+            self.write_s = pending.future.result()  # re-raises a failed write on this rank
         except (Exception, CheckpointException) as exc:
             if is_out_of_space(exc):
-                raise space_error(self.root, step, self._need()) from None
+                raise space_error(self.root, pending.step, self._need()) from None
             raise
-        self._commit(step, target)
-        log.info("checkpoint step %d written to %s %.2f s after it started", step, target, time.perf_counter() - start)
+        log.info("checkpoint step %d written to %s %.2f s after it started (%.2f s in the background)",
+                 pending.step, pending.target, time.perf_counter() - pending.start, self.write_s)
 
     def _need(self) -> int | None:
         """The bytes a checkpoint needs: the preflight estimate, else the newest committed one's size."""

@@ -7,6 +7,10 @@
 
 `counters` (skipped_steps, rollbacks) travel in each checkpoint, so a resumed run counts on from them.
     saves.finish(steps)                      # the last background save committed
+    saves.metrics()                          # ckpt_stall_s (this step's wait for a save), ckpt_write_s
+
+Under checkpoint.async_save a save stalls the loop only for its staging copy, and for the previous
+write when that is still in flight (trainer/checkpoint/background.py).
 
 Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
 """
@@ -14,6 +18,7 @@ Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may t
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +49,7 @@ class Saves:
 
     def __init__(self, ckpt: Checkpointer, state: TrainState, manifest_text: str, watchdog) -> None:
         self.ckpt, self.state, self.manifest_text, self.watchdog = ckpt, state, manifest_text, watchdog
+        self.stall_s = 0.0  # what the last save_if_due cost the loop
 
     def resume(self, resume_from: str | None) -> Resumed | None:
         s = self.state
@@ -55,11 +61,18 @@ class Saves:
     def save_if_due(self, step: int, last: bool, counters: dict[str, int]) -> None:
         """Save step `step` if the cadence asks (in the background under checkpoint.async_save), and commit
         a background save that has finished."""
-        s = self.state
+        s, start = self.state, time.perf_counter()
         if self.ckpt.due(step, last):
             self.watchdog.beat(step, "checkpoint save")
         self.ckpt.maybe_save(step, last, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters)
         self.ckpt.poll()
+        self.stall_s = time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float | None]:
+        """ckpt_stall_s: the seconds the loop waited for a save this step (the staging copy, the previous
+        write, or the whole save when synchronous); ckpt_write_s: the background seconds of the last
+        committed asynchronous save (None before one)."""
+        return {"ckpt_stall_s": self.stall_s, "ckpt_write_s": self.ckpt.write_s}
 
     def save_before_stop(self, step: int, saved: bool, counters: dict[str, int]) -> None:
         """Step `step` committed before the run stops on a signal (`saved`: the cadence already saved it)."""

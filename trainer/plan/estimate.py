@@ -24,6 +24,7 @@ from trainer.plan.model_states import states
 from trainer.plan.moments import inflight, rank_moments, validation_held
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.efficiency import Calibration, default_calibration
+from trainer.plan.host import host_notes, host_staging_bytes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
 from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
@@ -111,6 +112,7 @@ class Estimate:
     split: Split | None = None  # the pipeline's stage split and its balance (pp > 1)
     counts: ModelCounts | None = None  # total and active parameters, experts per EP rank, all-to-all bytes
     calibration: Calibration | None = None  # the compute efficiency (and pipeline action overhead) and its source
+    host_staging: float = 0.0  # host bytes per rank of checkpoint.async_save's staging buffers (plan/host.py)
 
     @property
     def peak(self) -> float:
@@ -133,7 +135,7 @@ class Estimate:
             "name": self.name, "device": self.device.key, "device_name": self.device.name, "world_size": self.world,
             "layout": self.layout, "precision": self.precision,
             "memory": {"capacity_bytes": int(self.capacity), "peak_bytes": int(self.peak), "fits": self.fits,
-                       "verdict": self.verdict,
+                       "verdict": self.verdict, "host_staging_bytes": int(self.host_staging),
                        "ranks": [{k: (int(v) if k in (*ROWS, "peak") else v) for k, v in asdict(r).items()} for r in self.rows]},
             "time": {"model_flops_per_step": t.model_flops, "hardware_flops_per_step": t.hardware_flops,
                      "compute_s": t.compute_s, "bubble_s": t.bubble_s, "tp_comm_s": t.tp_s, "dp_comm_exposed_s": t.dp_s,
@@ -309,9 +311,10 @@ def assemble(run: Resolved, device: Device, rows: tuple[RankRow, ...], setups: t
         split = Split(how, tuple(counts), ranks, timing.stage_s, timing.rank_s, timing.imbalance)
         if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
             split = replace(split, balanced=_balanced(run, device, capacity_gib, calib, timing.step_s))
+    staging = host_staging_bytes(m.checkpoint.async_save, setups)
+    notes = (*_notes(run, device, timing, counted, calib), *host_notes(staging, device.is_gpu))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
-                    usable_bytes(device, capacity_gib), timing, coeffs, tuple(_notes(run, device, timing, counted, calib)),
-                    split, counted, calib)
+                    usable_bytes(device, capacity_gib), timing, coeffs, notes, split, counted, calib, staging)
 
 
 def _balanced(run: Resolved, device: Device, capacity_gib: float | None, calib: Calibration,

@@ -21,7 +21,7 @@ SEPARATOR = " | "
 # Higher stays longer when the line must shrink. On a CPU the MFU reads "n/a (cpu)": it says nothing, so it
 # goes first; on a GPU it is a headline number.
 PRIORITY = {"step": 100, "loss": 95, "val_loss": 90, "skipped": 85, "straggler": 80, "tokens": 70, "mfu": 65,
-            "kind": 60, "grad_norm": 55, "lr": 50, "mem": 45, "bubble": 40, "tensors": 30, "step_time": 20,
+            "kind": 60, "grad_norm": 55, "lr": 50, "mem": 45, "bubble": 40, "ckpt": 35, "tensors": 30, "step_time": 20,
             "mfu_unknown": 10}
 
 
@@ -42,6 +42,8 @@ def step_fields(m: dict[str, Any], total_steps: int, mfu_na: str,
     out.append(("step_time", f"{num('step_time_s', '.3f')} s/step"))
     if m.get("bubble") is not None:
         out.append(("bubble", f"bubble {m['bubble']:.1%} (busy {m['busy_s']:.3f} s, idle {m['idle_s']:.3f} s)"))
+    if (m.get("ckpt_stall_s") or 0) >= 0.005 and m.get("ckpt_write_s") is not None:  # async saves: a stall
+        out.append(("ckpt", f"ckpt stall {m['ckpt_stall_s']:.3f} s (last write {m['ckpt_write_s']:.2f} s)"))
     if m.get("skipped_steps"):
         out.append(("skipped", f"skipped {m['skipped_steps']} non-finite"))
     if (m.get("step_time_max_over_median") or 0) >= STRAGGLER_RATIO:

@@ -14,10 +14,11 @@ from typing import Any
 # cross-entropy over data.valid's first train.eval_batches global batches and its exp (null at steps not evaluated);
 # rollbacks: optimizer steps redone so far under parallel.post_validation (clipped or non-finite; null without it);
 # step_time_max_over_median: the slowest rank's compute time per step over the median rank's (null on one rank;
-# trainer/report/straggler.py)
+# trainer/report/straggler.py); ckpt_stall_s: seconds the loop waited for a checkpoint save this step (0 when none);
+# ckpt_write_s: the background seconds of the last committed asynchronous save (null before one; trainer/checkpoint/saves.py)
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
-               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "tokens_with_loss", "val_loss", "val_ppl",
-               "step_time_max_over_median")
+               "busy_s", "idle_s", "bubble", "skipped_steps", "rollbacks", "peak_tensor_bytes", "tokens_with_loss",
+               "val_loss", "val_ppl", "step_time_max_over_median", "ckpt_stall_s", "ckpt_write_s")
 INT_KEYS = frozenset({"step", "peak_mem_bytes", "skipped_steps", "rollbacks", "peak_tensor_bytes", "tokens_with_loss"})
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak of one device, TFLOP/s, matched as a
