@@ -91,6 +91,21 @@ def test_missing_shard_truncated_file_and_missing_dir_are_refused(tmp_path) -> N
     assert "nowhere is not a directory" in line
 
 
+def test_a_nesting_bomb_in_config_or_header_is_one_line(tmp_path) -> None:
+    """config.json and a safetensors header are parsed within bounds: deep nesting is refused, never a
+    RecursionError traceback."""
+    bomb = b"[" * 100_000 + b"]" * 100_000
+    config = llama_dir(tmp_path / "config")
+    (config / "config.json").write_bytes(bomb)
+    [line] = errors_of(init_manifest(tmp_path, config, "a"))
+    assert f"{config / 'config.json'} is nested deeper than" in line
+    header = llama_dir(tmp_path / "header")
+    weights = header / "model.safetensors"
+    weights.write_bytes(len(bomb).to_bytes(8, "little") + bomb)
+    [line] = errors_of(init_manifest(tmp_path, header, "b"))
+    assert f"{weights}'s safetensors header is nested deeper than" in line
+
+
 def test_validate_exits_2_with_one_line_per_field(tmp_path) -> None:
     hf_dir = llama_dir(tmp_path / "hf")
     proc = mantra("validate", str(init_manifest(tmp_path, hf_dir, extra={"model": {"layers": 3}})))

@@ -11,14 +11,17 @@ are known only once torch reads it (weights_only=True: trainer/init/hf_weights.p
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.plain import PlainDataError, bounded_json
+
 MAX_JSON_BYTES = 16 << 20  # config.json and the index: far above any real one
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its header
+MAX_DEPTH = 64  # config.json nests a few levels (text_config, rope_scaling); a header nests 3
+MAX_VALUES = 1 << 24  # a header holds ~10 values per tensor; far above any real model's
 SAFETENSORS, INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
@@ -47,10 +50,15 @@ def read_json(path: Path) -> Any:
         raise HFDirError(f"{path} is missing; init.hf needs a Hugging Face model directory with it")
     if path.stat().st_size > MAX_JSON_BYTES:
         raise HFDirError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; it is not a Hugging Face file")
+    return _bounded(path.read_bytes(), str(path), "it is not a Hugging Face file")
+
+
+def _bounded(data: bytes, where: str, fix: str) -> Any:
+    """JSON parsed within bounds (trainer/checkpoint/plain.py): a nesting or size bomb is one HFDirError line."""
     try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HFDirError(f"{path} is not valid JSON ({exc})") from None
+        return bounded_json(data, where, MAX_DEPTH, MAX_VALUES, fix)
+    except PlainDataError as exc:  # bounded_json names the file in its one line
+        raise HFDirError(str(exc)) from None
 
 
 def read_config(hf_dir: Path) -> dict[str, Any]:
@@ -74,10 +82,7 @@ def safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if length > MAX_HEADER_BYTES or 8 + length > size:
             raise HFDirError(f"{path} is truncated or not safetensors (header of {length} bytes in a file of "
                              f"{size}); download it again")
-        try:
-            header = json.loads(f.read(length))
-        except (ValueError, UnicodeDecodeError):
-            raise HFDirError(f"{path} has a malformed safetensors header; download it again") from None
+        header = _bounded(f.read(length), f"{path}'s safetensors header", "download the file again")
     if not isinstance(header, dict):
         raise HFDirError(f"{path} has a malformed safetensors header; download it again")
     out, end = {}, 0
