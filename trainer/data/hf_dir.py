@@ -3,7 +3,7 @@ template and the special tokens (torch-free, no `tokenizers` import).
 
     tokenizer_json("models/llama")          # models/llama/tokenizer.json; a file path is returned as it is
     tokenizer_problem_of(path, vocab)       # None, or "what is wrong; how to fix" (a file or a directory)
-    cfg = tokenizer_config("models/llama")  # {} without tokenizer_config.json; HfDirError when it is unusable
+    cfg = tokenizer_config("models/llama")  # {} without tokenizer_config.json; HFDirError when it is unusable
     chat_template(cfg), special_tokens(cfg)
 
 `data.tokenizer`, `mantra data tokenize --tokenizer` and `data.source: chat` all go through
@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer.checkpoint.plain import PlainDataError, bounded_json
 from trainer.data.tokenizer_file import tokenizer_problem
+from trainer.init.hf_dir import HFDirError
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -26,10 +27,6 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja",)  # newer transformers save the te
 MAX_CONFIG_BYTES = 1 << 24  # 16 MiB: a config with a long chat template is tens of KB
 MAX_TEMPLATE_BYTES = 1 << 20
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-
-
-class HfDirError(ValueError):
-    """A tokenizer directory or file the user can fix; one line naming it and the fix."""
 
 
 def tokenizer_json(path: str | Path) -> Path:
@@ -51,9 +48,9 @@ def _read_bounded(path: Path, limit: int) -> bytes:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as exc:
-        raise HfDirError(f"'{path}' cannot be read ({exc.strerror}); fix the path") from None
+        raise HFDirError(f"'{path}' cannot be read ({exc.strerror}); fix the path") from None
     if len(data) > limit:
-        raise HfDirError(f"'{path}' is over {limit} bytes; use the file the model was saved with")
+        raise HFDirError(f"'{path}' is over {limit} bytes; use the file the model was saved with")
     return data
 
 
@@ -68,9 +65,9 @@ def tokenizer_config(path: str | Path) -> dict[str, Any]:
         try:
             cfg = bounded_json(_read_bounded(folder / TOKENIZER_CONFIG, MAX_CONFIG_BYTES), where, 64, 1 << 20)
         except PlainDataError as exc:
-            raise HfDirError(f"{exc}; use the tokenizer_config.json saved by transformers") from None
+            raise HFDirError(f"{exc}; use the tokenizer_config.json saved by transformers") from None
         if not isinstance(cfg, dict):
-            raise HfDirError(f"{where} is not a JSON object; use the tokenizer_config.json saved by transformers")
+            raise HFDirError(f"{where} is not a JSON object; use the tokenizer_config.json saved by transformers")
     for name in CHAT_TEMPLATE_FILES:
         if "chat_template" not in cfg and (folder / name).is_file():
             cfg = cfg | {"chat_template": read_template(folder / name)}
@@ -83,7 +80,7 @@ def read_template(path: str | Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HfDirError(f"'{path}' is not UTF-8 (byte {exc.start}); save the template as UTF-8") from None
+        raise HFDirError(f"'{path}' is not UTF-8 (byte {exc.start}); save the template as UTF-8") from None
 
 
 def chat_template(cfg: dict[str, Any], where: str) -> str:
@@ -93,7 +90,7 @@ def chat_template(cfg: dict[str, Any], where: str) -> str:
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default")
     if not isinstance(tpl, str) or not tpl:
-        raise HfDirError(f"{where} has no chat_template; set data.chat_template to a Jinja template file")
+        raise HFDirError(f"{where} has no chat_template; set data.chat_template to a Jinja template file")
     return tpl
 
 

@@ -27,7 +27,8 @@ PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 
 class HFDirError(ValueError):
-    """What is wrong with the directory, one line naming the file and the fix."""
+    """What is wrong with a Hugging Face directory or one of its files (weights, config.json, the tokenizer
+    files: trainer/data/hf_dir.py), one line naming the file and the fix."""
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.data.chat.rows import SUFFIXES
-from trainer.data.hf_dir import HfDirError, chat_template, tokenizer_config
+from trainer.data.hf_dir import chat_template, tokenizer_config
 from trainer.data.tokens import file_problem, resolve_path
+from trainer.init.hf_dir import HFDirError
 from trainer.manifest.sections import DataSection
 
 
@@ -31,6 +32,6 @@ def chat_errors(data: DataSection, vocab: int, base_dir: str | Path | None) -> l
     else:
         try:
             chat_template(tokenizer_config(resolve_path(data.tokenizer, base_dir)), f"tokenizer '{data.tokenizer}'")
-        except HfDirError as exc:
+        except HFDirError as exc:
             errors.append(("chat_template", str(exc)))
     return errors

@@ -28,8 +28,9 @@ import numpy as np
 from trainer.data.chat.rows import read_conversations
 from trainer.data.chat.spans import ChatEncoder
 from trainer.data.chat.template import compile_template
-from trainer.data.hf_dir import HfDirError, chat_template, read_template, special_tokens, tokenizer_config
+from trainer.data.hf_dir import chat_template, read_template, special_tokens, tokenizer_config
 from trainer.data.tokens import DataError, hf_tokenizer, resolve_path
+from trainer.init.hf_dir import HFDirError
 from trainer.manifest.choices import LossOn
 from trainer.manifest.sections import DataSection
 
@@ -97,7 +98,7 @@ def _renderer(data: DataSection, base_dir: str | Path | None):
             where = f"{data.tokenizer} (tokenizer_config.json)"
             source = chat_template(cfg, where)
         render = compile_template(source, special_tokens(cfg), where)
-    except HfDirError as exc:
+    except HFDirError as exc:
         raise DataError(f"data.chat_template: {exc}") from None
     tokenizer = "byte" if tok_path is None else hf_tokenizer(tok_path)
     return render, tokenizer

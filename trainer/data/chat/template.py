@@ -1,6 +1,6 @@
 """A chat template rendered the way transformers' `apply_chat_template` renders it (torch-free).
 
-    render = compile_template(source, special_tokens)       # HfDirError when the template does not compile
+    render = compile_template(source, special_tokens)       # HFDirError when the template does not compile
     text = render(messages, add_generation_prompt=False)    # ChatRenderError when the template raises
 
 The environment is transformers' (transformers/utils/chat_template_utils.py, `_compile_jinja_template`):
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from trainer.data.hf_dir import HfDirError
+from trainer.init.hf_dir import HFDirError
 
 
 class ChatRenderError(ValueError):
@@ -35,7 +35,7 @@ def _environment() -> Any:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:  # pragma: no cover - depends on the environment
-        raise HfDirError("data.source chat renders a Jinja chat template and needs the `jinja2` package; "
+        raise HFDirError("data.source chat renders a Jinja chat template and needs the `jinja2` package; "
                          "pip install jinja2") from None
 
     class Generation(jinja2.ext.Extension):
@@ -92,7 +92,7 @@ def compile_template(source: str, special_tokens: dict[str, str], where: str = "
     try:
         template = _environment().from_string(source)
     except jinja2.exceptions.TemplateError as exc:
-        raise HfDirError(f"{where} does not compile ({type(exc).__name__}: {str(exc)[:200]}); fix the template") from None
+        raise HFDirError(f"{where} does not compile ({type(exc).__name__}: {str(exc)[:200]}); fix the template") from None
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         try:
