@@ -94,6 +94,19 @@ def test_the_summary_gives_every_field_with_the_numbers_of_metrics_jsonl(tmp_pat
     assert f"memory     peak {max(r['peak_mem_bytes'] for r in rows) / 2**30:.2f} GiB" in text
     assert f"checkpoint {run_dir / 'ckpt' / 'step-00000030'}" in text
     assert f"next       mantra export {run_dir / 'ckpt'} --to hf {run_dir / 'hf'}" in text
+    generate = lines[lines.index(f"  next       mantra export {run_dir / 'ckpt'} --to hf {run_dir / 'hf'}") + 1]
+    assert generate == f"             mantra generate {run_dir} --prompt 'Hello'", text
+
+
+def test_a_completed_runs_summary_names_generate_on_the_checkpoint_root_when_it_is_elsewhere(tmp_path):
+    """checkpoint.dir moved the checkpoints out of the run directory: `mantra generate` is given their root."""
+    run_dir = tmp_path / "run"
+    write_run(run_dir, "completed", 30, [3.5, 2.25])
+    (run_dir / "ckpt").rename(tmp_path / "elsewhere")
+    ending = Ending("tiny", 30, run_dir, tmp_path / "elsewhere", 5.0, "mantra run tiny.yaml", run_dir / "hf")
+    lines = summary_lines(ending)
+    assert lines[-2:] == [f"  next       mantra export {tmp_path / 'elsewhere'} --to hf {run_dir / 'hf'}",
+                          f"             mantra generate {tmp_path / 'elsewhere'} --prompt 'Hello'"], lines
 
 
 def test_a_stopped_runs_summary_says_where_it_saved_and_how_to_resume(tmp_path):

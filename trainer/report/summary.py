@@ -7,6 +7,7 @@
       faults     goodput 96.4%, restarts 0, lost_steps 0
       checkpoint runs/tiny-cpu/ckpt/step-00000150
       next       mantra export runs/tiny-cpu/ckpt --to hf runs/tiny-cpu/hf
+                 mantra generate runs/tiny-cpu --prompt 'Hello'
 
 The banner's layout (trainer/report/banner.py), from what the run left in its directory: status.json (the
 state, the step, the error, what faults cost), metrics.jsonl (every logged step of the run, earlier
@@ -118,8 +119,15 @@ def metric_rows(rows: list[dict[str, Any]], device_cpu: bool) -> dict[str, str]:
     return out
 
 
+def generate_command(ending: Ending) -> str:
+    """`mantra generate` on the run: its directory when the checkpoints are in its ckpt/, else their root."""
+    target = ending.run_dir if ending.checkpoint_dir == ending.run_dir / "ckpt" else ending.checkpoint_dir
+    return f"mantra generate {target} --prompt 'Hello'"
+
+
 def next_command(state: str | None, ending: Ending, checkpoint: Path | None) -> str:
-    """What to run next: an export of a completed run, else the command that resumes it."""
+    """What to run next: an export of a completed run (summary_lines adds `mantra generate` under it), else
+    the command that resumes it."""
     if state == "completed":
         return f"mantra export {ending.checkpoint_dir} --to hf {ending.export_dir}"
     fix = "fix what failed, then " if state in ("failed", "hung") else ""
@@ -154,4 +162,6 @@ def summary_lines(ending: Ending, status: dict | None = None, rows: list[dict] |
     if native is not None and native[0]:
         table["torch"] = f"{native[0]} line{'s' * (native[0] != 1)} of its own C++ output in {native[1]}/rank*.log"
     table["next"] = next_command(state, ending, checkpoint)
+    if state == "completed" and checkpoint is not None:
+        table[""] = generate_command(ending)  # a second command, under the first
     return [head] + labelled(table, width)
