@@ -24,7 +24,12 @@ ids are raw byte values, written as a tokenizer.json whose ids are those bytes
 (trainer/checkpoint/byte_tokenizer.py: no `tokenizers` package needed); a run with its own
 tokenizer.json gets the copy its checkpoint carries (stored in the step
 directory at save time, checksummed in COMMITTED): no path a checkpoint names
-is ever read.
+is ever read. A run whose tokenizer was a Hugging Face model directory
+(data.tokenizer, or init.hf's by default) exports that directory's tokenizer
+files as they were, byte for byte: tokenizer.json, tokenizer_config.json (its
+chat_template), special_tokens_map.json, generation_config.json, each the copy
+its checkpoints carry, so AutoTokenizer's apply_chat_template renders what the
+run trained on.
 
 Export writes only inside OUT: a non-empty OUT is refused unless --force; each
 file is written under a temporary name created inside OUT and renamed into
@@ -50,7 +55,10 @@ from trainer.checkpoint.checkpointer import COMMITTED, LATEST, MANIFEST, TOKENIZ
 from trainer.checkpoint.integrity import IntegrityError, read_marker, read_verified
 from trainer.checkpoint.paths import OutsideCheckpoint, read_latest
 from trainer.checkpoint.resume import one_line
+from trainer.data.hf_dir import TOKENIZER_CONFIG
+from trainer.data.hf_tokenizer_files import OPTIONAL, check_tokenizer_file
 from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
+from trainer.init.hf_dir import HFDirError
 from trainer.checkpoint.plain import PlainDataError
 from trainer.checkpoint.storage import TensorOnlyLoadPlanner, TrustedReader, legacy_checkpoint
 from trainer.manifest.errors import ManifestError
@@ -157,7 +165,7 @@ def export_hf(checkpoint: Path, out: Path, verify: bool = True, force: bool = Fa
     return out
 
 
-EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+EXPORTED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")  # and OPTIONAL's, carried
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -203,18 +211,39 @@ def write_inside(out: Path, name: str, data: bytes, mode: int | None) -> None:
 
 
 def tokenizer_files(manifest: Manifest, step: Path, verify: bool) -> dict[str, bytes]:
-    """tokenizer.json (the one the checkpoint carries, or the byte-level one) and the tokenizer_config.json
-    that makes `AutoTokenizer.from_pretrained(out)` load it as a plain fast tokenizer, not the model type's
-    own. A path the checkpoint's manifest names is never read."""
+    """tokenizer.json (the one the checkpoint carries, or the byte-level one) and a tokenizer_config.json: the
+    Hugging Face directory's own, byte for byte, with its special_tokens_map.json, generation_config.json and
+    chat_template.jinja, when the run's tokenizer was such a directory (its checkpoints carry them); else one
+    that makes `AutoTokenizer.from_pretrained(out)` load the tokenizer.json as a plain fast tokenizer, not the
+    model type's own. A path the checkpoint's manifest names is never read."""
     if manifest.data.tokenizer == "byte":
-        tokenizer = byte_level_json().encode()  # plain JSON: no `tokenizers` package needed (byte_tokenizer.py)
+        files = {TOKENIZER: byte_level_json().encode()}  # plain JSON: no `tokenizers` package needed (byte_tokenizer.py)
     else:
         marker = read_marker(step) if verify else None
         try:
-            tokenizer = read_verified(marker, step, TOKENIZER, limit=MAX_TOKENIZER_BYTES)
+            files = {TOKENIZER: read_verified(marker, step, TOKENIZER, limit=MAX_TOKENIZER_BYTES)}
         except IntegrityError as exc:
             raise ExportError(f"{step}: the run's tokenizer is not in the checkpoint ({exc}); a checkpoint carries "
                               f"its {TOKENIZER} since mantra stores it at save time: save one with this mantra") from None
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": manifest.model.seq_len,
-              "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+        files |= carried_tokenizer_files(step, marker)
+    if TOKENIZER_CONFIG not in files:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": manifest.model.seq_len,
+                  "clean_up_tokenization_spaces": False}
+        files[TOKENIZER_CONFIG] = (json.dumps(config, indent=2) + "\n").encode()
+    return files
+
+
+def carried_tokenizer_files(step: Path, marker) -> dict[str, bytes]:
+    """The Hugging Face tokenizer files besides tokenizer.json that the step directory carries: those COMMITTED
+    lists (each verified; one listed but gone is refused), or with verify off those present; each read within
+    its cap, a link refused, and checked as the run checked it at its start (hf_tokenizer_files.py)."""
+    names = [n for n in OPTIONAL if (n in marker.files if marker is not None and marker.files is not None
+                                     else os.path.lexists(step / n))]
+    out = {}
+    for name in names:
+        try:
+            out[name] = read_verified(marker, step, name, limit=OPTIONAL[name])
+            check_tokenizer_file(name, out[name], str(step / name))
+        except (IntegrityError, HFDirError) as exc:
+            raise ExportError(f"{step}: the run's {name} cannot be exported ({exc})") from None
+    return out

@@ -17,17 +17,15 @@ Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer, Resumed
-from trainer.data.hf_dir import tokenizer_json
-from trainer.data.tokenizer_file import MAX_TOKENIZER_BYTES
+from trainer.data.hf_tokenizer_files import read_tokenizer_files
 from trainer.data.tokens import DataError
+from trainer.init.hf_dir import HFDirError
 from trainer.manifest.choices import DataSource
 from trainer.manifest.sections import DataSection
 
@@ -94,12 +92,13 @@ class Saves:
 
 def carried_files(data: DataSection) -> dict[str, bytes]:
     """The files every checkpoint of the run carries besides its state: the run's own tokenizer.json, read
-    once at the start (what the run tokenizes with), so an export takes it from the checkpoint."""
+    once at the start (what the run tokenizes with), so an export takes it from the checkpoint; for a Hugging
+    Face model directory (data.tokenizer, or init.hf's by default) also its tokenizer_config.json,
+    special_tokens_map.json, generation_config.json and chat_template.jinja when it has them, byte for byte
+    (trainer/data/hf_tokenizer_files.py), which the export writes back as they were."""
     if DataSource(data.source) not in (DataSource.text, DataSource.chat) or data.tokenizer == "byte":
         return {}
-    path = tokenizer_json(Path(os.path.expanduser(data.tokenizer)))  # a model directory: its tokenizer.json
-    with open(path, "rb") as f:
-        tokenizer = f.read(MAX_TOKENIZER_BYTES + 1)
-    if len(tokenizer) > MAX_TOKENIZER_BYTES:
-        raise DataError(f"data.tokenizer: {path} is over {MAX_TOKENIZER_BYTES >> 20} MiB; use a smaller tokenizer.json")
-    return {TOKENIZER: tokenizer}
+    try:
+        return read_tokenizer_files(data.tokenizer)  # TOKENIZER always, the others when the directory has them
+    except HFDirError as exc:
+        raise DataError(f"data.tokenizer: {exc}") from None

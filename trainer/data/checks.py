@@ -16,7 +16,9 @@ import numpy as np
 from trainer.data.corpus.index import index_path
 from trainer.data.chat.checks import chat_errors
 from trainer.data.hf_dir import tokenizer_problem_of
+from trainer.data.hf_tokenizer_files import read_tokenizer_files
 from trainer.data.tokens import BYTE_VOCAB, TOKEN_DTYPES, file_problem, resolve_path
+from trainer.init.hf_dir import HFDirError
 from trainer.manifest.choices import DataSource, TokenDtype
 from trainer.manifest.sections import DataSection
 
@@ -49,12 +51,18 @@ def _file_errors(value: str, field: str, data: DataSection, *, seq_len: int,
 
 
 def _tokenizer_errors(tokenizer: str, vocab: int, base_dir: str | Path | None) -> list[tuple[str, str]]:
-    """A tokenizer.json or a Hugging Face model directory: there, and fit for model.vocab (size, ids, regexes)."""
+    """A tokenizer.json or a Hugging Face model directory: there, and fit for model.vocab (size, ids, regexes);
+    a directory's other tokenizer files, which the run's checkpoints carry, readable and well formed."""
     path = resolve_path(tokenizer, base_dir)
     if not path.is_dir() and (problem := file_problem(path)):
         return [("tokenizer", f"tokenizer '{tokenizer}' {problem}; use 'byte', a local tokenizer.json or a model directory")]
     if problem := tokenizer_problem_of(path, vocab):
         return [("tokenizer", f"tokenizer '{tokenizer}' {problem}")]
+    if path.is_dir():
+        try:
+            read_tokenizer_files(path)
+        except HFDirError as exc:
+            return [("tokenizer", str(exc))]
     return []
 
 

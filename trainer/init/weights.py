@@ -20,13 +20,10 @@ from trainer.manifest import Resolved
 
 def starts_from_init(run: Resolved) -> bool:
     """init.hf or init.checkpoint is set, and neither checkpoint.resume_from nor a committed checkpoint of the
-    run's own says where it stands."""
-    from trainer.checkpoint.paths import committed_steps
+    run's own says where it stands (trainer/init/precedence.py, which `mantra validate` asks too)."""
+    from trainer.init.precedence import starts_from_init as reads_init
 
-    m = run.manifest
-    if not (m.init.hf or m.init.checkpoint) or m.checkpoint.resume_from:
-        return False
-    return not committed_steps(run.checkpoint_dir)
+    return reads_init(run.manifest, run.checkpoint_dir)
 
 
 def load_initial_weights(model: nn.Module, run: Resolved) -> None:

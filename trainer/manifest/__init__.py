@@ -22,6 +22,7 @@ from trainer.manifest.resolve import Resolved, resolve
 from trainer.manifest.rules import check
 from trainer.manifest.schema import Manifest
 from trainer.manifest.extends import load_tree
+from trainer.manifest.init_section import default_tokenizer
 from trainer.manifest.source import apply_override
 from trainer.manifest.validate import validate_schema
 
@@ -39,6 +40,7 @@ def load_manifest(
     tree = load_tree(path)  # with the bases it extends merged under it
     for override in overrides:
         apply_override(tree, override)
+    default_tokenizer(tree)  # init.hf's tokenizer.json when data.tokenizer is not given
     manifest, errors = validate_schema(tree)
     if manifest is None:  # the rules still run on what is valid, so one invocation shows every error
         partial = set_aside(tree)

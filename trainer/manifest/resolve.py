@@ -77,7 +77,7 @@ class Resolved:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.manifest.checkpoint.dir) if self.manifest.checkpoint.dir else self.run_dir / "ckpt"
+        return checkpoint_dir(self.manifest)
 
 
 AUTO_CHUNK_VOCAB = 2048  # train.loss_chunks: auto: one chunk per this many vocabulary entries
@@ -175,6 +175,11 @@ def derive_batch(m: ManifestSections, dp: int) -> Batch:
 
 def run_dir(m: ManifestSections) -> Path:
     return Path(m.logging.dir) if m.logging.dir else Path("runs") / m.name
+
+
+def checkpoint_dir(m: ManifestSections) -> Path:
+    """checkpoint.dir, or the run directory's ckpt/."""
+    return Path(m.checkpoint.dir) if m.checkpoint.dir else run_dir(m) / "ckpt"
 
 
 def resolve(m: ManifestSections, source: str) -> Resolved:

@@ -17,7 +17,13 @@ from trainer.manifest.schema import Manifest
 
 def init_source(m: Manifest) -> Iterator[Finding]:
     """init.hf: config.json agrees with `model:` and every weight file is there and whole;
-    init.checkpoint: a committed step directory."""
+    init.checkpoint: a committed step directory. Neither is looked at once the run has a committed checkpoint
+    of its own (or checkpoint.resume_from): it resumes from that, and `init` is not read again."""
+    from trainer.init.precedence import starts_from_init
+    from trainer.manifest.resolve import checkpoint_dir
+
+    if not starts_from_init(m, checkpoint_dir(m)):
+        return
     if m.init.hf:
         yield from hf_findings(m, Path(m.init.hf))
     if m.init.checkpoint:
