@@ -43,7 +43,8 @@ def test_init_hf_is_the_tokenizer_when_data_names_none(tmp_path) -> None:
     assert run.manifest.data.tokenizer == str(hf_dir)
     text = chat_manifest(tmp_path, hf_dir, "text", {"source": "text", "path": str(tmp_path / "chat.jsonl")})
     assert load_manifest(text)[0].manifest.data.tokenizer == str(hf_dir)
-    own = chat_manifest(tmp_path, hf_dir, "own", {"tokenizer": "byte", "chat_template": str(template_file(tmp_path / "t.jinja"))})
+    template = str(template_file(tmp_path / "t.jinja"))
+    own = chat_manifest(tmp_path, hf_dir, "own", {"tokenizer": "byte", "chat_template": template})
     assert load_manifest(own)[0].manifest.data.tokenizer == "byte"  # one the manifest names is kept
     bare = init_manifest(tmp_path, llama_dir(tmp_path / "bare"), "bare")  # no tokenizer.json: byte, as before
     assert load_manifest(bare)[0].manifest.data.tokenizer == "byte"
