@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -122,3 +123,23 @@ def test_a_run_resumes_after_its_init_directory_is_removed(tmp_path) -> None:
     assert steps == [1, 2, 3, 4], steps
     status = json.loads((tmp_path / "ft" / "status.json").read_text())
     assert status["state"] == "completed" and status["step"] == 4, status
+
+
+def test_data_tokenize_takes_the_init_hf_directory(tmp_path) -> None:
+    """`mantra data tokenize --tokenizer DIR` with the directory init.hf names: the ids of its tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    from trainer.data.corpus.tokenize import tokenize_corpus
+
+    hf_dir = chat_hf_dir(tmp_path / "hf")
+    docs = [m["content"] for talk in TALK for m in talk]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    proc = mantra("data", "tokenize", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "d.bin"),
+                  "--tokenizer", str(hf_dir), "--eos", "<|endoftext|>")
+    assert proc.returncode == 0, proc.stderr
+    tokenize_corpus([str(tmp_path / "docs.jsonl")], tmp_path / "f.bin", tokenizer=str(hf_dir / "tokenizer.json"),
+                    eos="<|endoftext|>", progress=False)
+    assert (tmp_path / "d.bin").read_bytes() == (tmp_path / "f.bin").read_bytes()
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    ids = np.fromfile(tmp_path / "d.bin", dtype=np.uint16)
+    assert ids[: len(tok.encode(docs[0]).ids)].tolist() == tok.encode(docs[0], add_special_tokens=False).ids
