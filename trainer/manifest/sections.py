@@ -274,8 +274,7 @@ class DataSection(Section):
     source: DataSource = Field(DataSource.synthetic)
     path: str | None = Field(None, description="a .bin of token ids (tokens), a text file (text), a .jsonl/.parquet (chat)")
     dtype: TokenDtype = Field(TokenDtype.uint16, description="token id width in a .bin")
-    tokenizer: str = Field("byte", description="text, chat: 'byte', a local tokenizer.json or a Hugging Face model "
-                           "directory; default: init.hf when it holds a tokenizer.json, else 'byte'")
+    tokenizer: str = Field("byte", description="text, chat: 'byte', a tokenizer.json or a model directory (default: init.hf's)")
     chat_template: str | None = Field(None, description="chat: a Jinja file; default: the tokenizer's tokenizer_config.json")
     loss_on: LossOn = Field(LossOn.assistant, description="chat: assistant (the loss on assistant turns only) or all")
     sources: tuple[BlendSource, ...] | None = Field(
