@@ -101,9 +101,43 @@ def test_router_aux_loss_coef_is_the_pooled_coeff_both_ways():
               vocab_size=64, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=1e4, hidden_act="silu",
               intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
     section = section_from_hf(hf)
-    assert section["balance"]["aux_loss"] == {"form": "pooled", "coeff": 0.02}
+    assert section["balance"]["aux_loss"] == {"form": "pooled", "scope": "micro-batch", "coeff": 0.02}
     cfg = MoEConfig(**section)
     assert hf_config_kwargs(cfg)["router_aux_loss_coef"] == pytest.approx(0.02)
     per_layer = cfg.model_copy(update={"balance": cfg.balance.model_copy(update={
         "aux_loss": cfg.balance.aux_loss.model_copy(update={"form": "per-layer"})})})
     assert hf_config_kwargs(per_layer)["router_aux_loss_coef"] == pytest.approx(0.01)  # f sums to 1, HF's to top_k
+
+
+def test_init_hf_states_what_router_aux_loss_coef_maps_to(tmp_path):
+    """validate warns when a Mixtral is continued with another aux loss than its router_aux_loss_coef's."""
+    from hf_fixtures import MOE, init_manifest, mixtral_dir
+    from trainer.manifest import load_manifest
+
+    hf_dir = mixtral_dir(tmp_path / "mixtral")  # router_aux_loss_coef 0.01
+    same = {"aux_loss": {"form": "pooled", "scope": "micro-batch", "coeff": 0.01}}
+    for name, balance, warned in (("same", same, False), ("per-layer", {"aux_loss": {"coeff": 0.02}}, True),
+                                  ("none", {"aux_loss": None}, False)):
+        _, warnings = load_manifest(init_manifest(tmp_path, hf_dir, name, {"model": MOE | {"balance": balance}}))
+        lines = [w.render() for w in warnings if "model.balance.aux_loss" in w.render()]
+        assert bool(lines) == warned, (name, lines)
+        if warned:
+            assert "router_aux_loss_coef 0.01" in lines[0] and "{form: pooled, scope: micro-batch, coeff: 0.01}" in lines[0]
+
+
+def test_new_from_hf_writes_the_pooled_form(tmp_path):
+    """`mantra new --from-hf` on a Mixtral: router_aux_loss_coef as the pooled form's coeff; it validates clean."""
+    import yaml
+
+    from conftest import ROOT, mantra
+    from hf_fixtures import mixtral_dir
+
+    hf_dir = mixtral_dir(tmp_path / "mixtral", router_aux_loss_coef=0.02)
+    out = tmp_path / "ft.yaml"
+    corpus = ROOT / "manifests/data/python-docs.txt"
+    made = mantra("new", "--from-hf", str(hf_dir), str(out), "--data", str(corpus), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    balance = yaml.safe_load(out.read_text())["model"]["balance"]
+    assert balance["aux_loss"] == {"form": "pooled", "scope": "micro-batch", "coeff": 0.02}
+    checked = mantra("validate", str(out), cwd=tmp_path)
+    assert checked.returncode == 0 and "warning" not in checked.stderr, checked.stderr

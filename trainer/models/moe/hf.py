@@ -171,9 +171,9 @@ def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """A MixtralForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key,
     for what our moe cannot hold (a sliding window shorter than the context, another activation, a head dim
     other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise and are
-    not carried over. router_aux_loss_coef becomes balance.aux_loss {form: pooled, coeff: coef}: HF's own
-    objective, every layer's router statistics pooled before one loss, so a run continues exactly what the
-    checkpoint was trained with (README, "Which balance objective travels")."""
+    not carried over. router_aux_loss_coef becomes balance.aux_loss {form: pooled, scope: micro-batch, coeff:
+    coef}: HF's own objective, every layer's router statistics of one forward pooled before one loss, so a run
+    continues exactly what the checkpoint was trained with (README, "Which balance objective travels")."""
     if hf_cfg.get("model_type", "mixtral") != "mixtral":
         raise refusal("moe", "model_type", f"{hf_cfg.get('model_type')!r} is not mixtral")
     section = {"kind": "moe", **decoder_section(hf_cfg, "moe")}
@@ -186,7 +186,7 @@ def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     return section | {
         "experts": experts, "top_k": top_k, "expert_ffn_dim": int(hf_cfg["intermediate_size"]), "shared_experts": 0,
         "first_dense_layers": 0, "score": "softmax", "norm_topk_prob": True, "capacity_factor": None,
-        "balance": {"aux_loss": {"form": "pooled", "coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
+        "balance": {"aux_loss": {"form": "pooled", "scope": "micro-batch", "coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
     }
 
 
