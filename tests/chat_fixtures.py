@@ -26,6 +26,18 @@ TALK = [
 ]
 
 
+# short conversations under a compact template, for models of seq_len 32 on the byte tokenizer (a few per sample)
+COMPACT = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}")
+SHORT_TALK = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+    [{"role": "system", "content": "be kind"}, {"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}],
+    [{"role": "user", "content": "no reply"}],  # no assistant turn: no loss, still packed
+    [{"role": "user", "content": "sky?"}, {"role": "assistant", "content": "blue"}, {"role": "user", "content": "ok"},
+     {"role": "assistant", "content": "bye now"}],
+]
+
+
 def tokenizer_dir(path: Path, vocab: int = 300, template: str = CHATML, bos: str | None = None) -> Path:
     """A byte-level BPE tokenizer.json with the ChatML specials, and a tokenizer_config.json with the template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -49,8 +61,8 @@ def jsonl(path: Path, talks: list = TALK) -> Path:
     return path
 
 
-def template_file(path: Path) -> Path:
-    path.write_text(CHATML)
+def template_file(path: Path, template: str = CHATML) -> Path:
+    path.write_text(template)
     return path
 
 

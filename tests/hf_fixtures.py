@@ -53,13 +53,14 @@ MOE = {"kind": "moe", "dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "vocab"
        "norm_eps": 1e-5, "rope_theta": 10000.0, "experts": 4, "top_k": 2, "expert_ffn_dim": 48}
 
 
-def mixtral_model(seed: int = 7):
-    """A MixtralForCausalLM with random weights (norms not all ones) and a router that spreads the tokens."""
+def mixtral_model(seed: int = 7, **config):
+    """A MixtralForCausalLM with random weights (norms not all ones) and a router that spreads the tokens;
+    `config`: MixtralConfig keys other than MIXTRAL's."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL, dtype=torch.float32)).eval()
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL | config, dtype=torch.float32)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -69,9 +70,9 @@ def mixtral_model(seed: int = 7):
     return model
 
 
-def mixtral_dir(path: Path, seed: int = 7) -> Path:
+def mixtral_dir(path: Path, seed: int = 7, **config) -> Path:
     """save_pretrained of mixtral_model: Mixtral's per-expert checkpoint layout."""
-    mixtral_model(seed).save_pretrained(path)
+    mixtral_model(seed, **config).save_pretrained(path)
     return path
 
 

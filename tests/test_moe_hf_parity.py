@@ -107,7 +107,9 @@ def test_a_transformers_mixtral_imports_with_the_same_logits(tmp_path, layout) -
     (tmp_path / "imported.yaml").write_text(yaml.safe_dump(manifest))
     resolved, _ = load_manifest(tmp_path / "imported.yaml")  # ManifestError if the section were not a valid one
     cfg = resolved.manifest.model
-    assert cfg.kind == "moe" and cfg.balance.aux_loss.coeff == pytest.approx(0.02 * 2)
+    # HF's own objective: the pooled form, its coefficient as it is
+    assert cfg.kind == "moe" and cfg.balance.aux_loss.coeff == pytest.approx(0.02)
+    assert cfg.balance.aux_loss.form.value == "pooled"
     assert SPEC.hf.config(cfg)["router_aux_loss_coef"] == pytest.approx(0.02)  # and back
 
     ours = SPEC.build(cfg).eval()

@@ -62,6 +62,9 @@ def write(tmp_path, model: dict | None = None, parallel: dict | None = None, npr
     (None, {"ep": 2, "dp_replicate": 1, "tp": 2}, 2, "parallel.ep", "does not divide the data-parallel ranks"),
     (None, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}, 2, "parallel.post_validation", "post_validation: false"),
     ({"balance": {"aux_loss": {"scope": "per-token"}}}, None, 1, "model.balance.aux_loss.scope", "global-batch"),
+    ({"balance": {"aux_loss": {"form": "pooled"}}}, {"pp": 2, "post_validation": False}, 2,
+     "model.balance.aux_loss.form", "use form: per-layer, or parallel.pp: 1"),
+    ({"balance": {"aux_loss": {"form": "mean"}}}, None, 1, "model.balance.aux_loss.form", "pooled"),
     ({"balance": {"bias": {"rate": 1}}}, None, 1, "model.balance.bias.rate", ""),
 ])
 def test_bad_moe_manifests_name_the_field(tmp_path, model, parallel, nproc, field, words):

@@ -60,13 +60,10 @@ def document_mask_of(document_mask: bool, cp: int, pp: int) -> Iterator[Finding]
 
 
 def chat_layouts(m: Manifest) -> Iterator[Finding]:
-    """data.source chat scales each microbatch's loss in train_step (trainer/data/chat/batches.py): not in a
-    pipeline's schedule or across a context-parallel split yet."""
+    """data.source chat scales each microbatch's loss (trainer/data/chat/batches.py) in train_step and in the
+    pipeline's last stage (trainer/parallel/pipeline/executor.py): not across a context-parallel split yet."""
     if DataSource(m.data.source) is not DataSource.chat:
         return
-    if m.parallel.pp > 1:
-        yield Finding("data.source", "not supported yet: chat data with pipeline parallel (the schedule takes "
-                      "no per-microbatch loss scale); set parallel.pp: 1")
     if m.parallel.cp > 1:
         yield Finding("data.source", "not supported yet: chat data with context parallel (each cp rank would "
                       "count its own loss tokens); set parallel.cp: 1")

@@ -55,6 +55,7 @@ def hf_findings(m: Manifest, hf_dir: Path) -> Iterator[Finding]:
         yield Finding("init.hf", f"{hf_dir / 'config.json'}: {exc if isinstance(exc, ValueError) else repr(exc)}")
         return
     yield from model_mismatches(m, theirs, mapping.keys or {}, hf_dir / "config.json")
+    yield from aux_loss_note(m, theirs, hf_dir / "config.json")
 
 
 TRAINING_TERMS = ("kind", "balance", "capacity_factor")  # how a run trains, not what the weights are
@@ -76,6 +77,20 @@ def model_mismatches(m: Manifest, theirs: dict, keys: dict, config: Path) -> Ite
             more = f"at most {_show(value)}" if field == "seq_len" else _show(value)
             yield Finding(f"model.{field}", f"{_show(ours)} != {key} {_show(value)} in {config}; set "
                           f"model.{field}: {more}, or point init.hf at the model this manifest describes")
+
+
+def aux_loss_note(m: Manifest, theirs: dict, config: Path) -> Iterator[Finding]:
+    """A warning when `model.balance.aux_loss` is on but is not the one config.json's training term maps to
+    (a Mixtral's router_aux_loss_coef: HF's pooled form, trainer/models/moe/hf.py): another objective."""
+    mapped = (theirs.get("balance") or {}).get("aux_loss")
+    ours = getattr(getattr(m.model, "balance", None), "aux_loss", None)
+    if mapped is None or ours is None:
+        return
+    if ours.model_dump(mode="json") != ours.model_validate(mapped).model_dump(mode="json"):
+        yield Finding("model.balance.aux_loss", f"{config} was trained with router_aux_loss_coef "
+                      f"{mapped['coeff']}, HF's aux loss of each forward pooled over the layers, which is "
+                      f"{{form: pooled, scope: micro-batch, coeff: {mapped['coeff']}}}; set that to continue its "
+                      "objective (per-layer averages each layer's loss: another function)", "warning")
 
 
 def _show(value) -> str:

@@ -21,6 +21,16 @@ Scope. The counts decide what "balanced" means:
     4x2; with each micro-batch keeping its own P (its graph) and the global f, averaging its losses
     weighted by tokens gives the same value and gradient.
 
+Pooled form (Hugging Face Mixtral's load_balancing_loss_func). Every MoE layer's router statistics of
+the forward are pooled before one loss: with C_i the pairs routed to expert i summed over the L layers and
+P̄_i the mean over the layers of P_i,
+
+    pooled = E * sum_i (C_i / (L * tokens)) * P̄_i
+
+f counts slots per token here (it sums to top_k, so uniform routing gives top_k, not 1.0), and a
+layer's P_i gets the gradient E * C_i / (L * tokens) / L: the per-layer formula's, with the pooled
+counts for f. `pooled_aux_loss` is the value; `Balance` forms the gradient from a `LayerPool`.
+
 Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router scores for
 selection only (layer.Router); after each step `update_bias` nudges it by `rate` towards the
 under-loaded experts: bias_i += rate * sign(mean load - load_i).
@@ -47,6 +57,28 @@ def aux_loss(counts: torch.Tensor, prob_mean: torch.Tensor, tokens: torch.Tensor
     f = counts.detach().float() / (torch.as_tensor(tokens, device=counts.device).float() * top_k)
     per_layer = experts * (f * prob_mean.float()).sum(-1)
     return per_layer.mean()
+
+
+def pooled_aux_loss(counts: torch.Tensor, prob_mean: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
+    """HF Mixtral's pooled loss: counts, prob_mean [L, E]; `tokens` per layer (module docstring)."""
+    experts, layers = counts.shape[-1], counts.shape[0]
+    f = counts.detach().float().sum(0) / (torch.as_tensor(tokens, device=counts.device).float() * layers)
+    return experts * (f * prob_mean.float().mean(0)).sum()
+
+
+class LayerPool:
+    """The pooled form's shared counts, one [E + 1] row (counts, tokens) per MoE layer of the forward that
+    ran last: each layer's forward puts its row under its index (a recompute under activation checkpointing
+    puts the same row again), and each layer's backward, which runs after every layer's forward, sums them."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def put(self, index: int, counts: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.rows[index] = torch.cat([counts.detach(), tokens.detach().reshape(1)]).to(torch.float64)
+
+    def total(self) -> torch.Tensor:
+        return torch.stack(list(self.rows.values())).sum(0)
 
 
 @torch.no_grad()
@@ -82,15 +114,19 @@ class Balance(torch.nn.Module):
     (one per micro-batch, also under zero-bubble's split B/W: this node lies on the input path, in B)
     records the statistics exactly once. `loss_scale` is what the trainer multiplies each micro-batch's loss
     by (1 / micro-batches), so the terms weigh like the loss they are added to.
+    `pool` (the pooled form, shared by the model's MoE layers): f comes from every layer's counts of this
+    forward, which this layer's `index` puts there, instead of this layer's alone.
     Configured by the kind's parallelize (`configure`); defaults: one rank, loss_scale 1.
     """
 
     def __init__(self, experts: int, top_k: int, moe_layers: int, aux_coeff: float = 0.0,
-                 global_scope: bool = True, z_coeff: float = 0.0) -> None:
+                 global_scope: bool = True, z_coeff: float = 0.0, pool: LayerPool | None = None,
+                 index: int = 0) -> None:
         super().__init__()
         self.experts, self.top_k, self.moe_layers = experts, top_k, moe_layers
         self.aux_coeff, self.global_scope, self.z_coeff = aux_coeff, global_scope, z_coeff
-        self.group = None  # data-parallel ranks (dp x cp) whose counts global-batch scope sums
+        self.pool, self.index = pool, index
+        self.group = None  # the ranks whose counts f sums: dp x cp (global-batch scope), cp (pooled micro-batch)
         self.loss_scale = 1.0
         self.step: StepStats | None = None  # this rank's statistics of the running step, summed over micro-batches
         self.last: StepStats | None = None  # the last closed step's, summed over the data-parallel ranks (stats.py)
@@ -99,6 +135,8 @@ class Balance(torch.nn.Module):
         self.group, self.loss_scale = group, loss_scale
 
     def forward(self, out: torch.Tensor, stats) -> torch.Tensor:
+        if self.pool is not None:
+            self.pool.put(self.index, stats.counts, stats.tokens)
         return _BalanceGrad.apply(out, stats.prob_mean, stats.z, self, stats)
 
     @torch.no_grad()
@@ -119,7 +157,8 @@ class Balance(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"aux_coeff={self.aux_coeff}, scope={'global' if self.global_scope else 'micro'}-batch, "
-                f"z_coeff={self.z_coeff}, moe_layers={self.moe_layers}")
+                f"form={'pooled' if self.pool is not None else 'per-layer'}, z_coeff={self.z_coeff}, "
+                f"moe_layers={self.moe_layers}")
 
 
 class StepStats:
@@ -158,10 +197,13 @@ class _BalanceGrad(torch.autograd.Function):
         b.record(stats)
         grad_prob = grad_z = None
         if b.aux_coeff and ctx.needs_input_grad[1]:
-            counts = torch.cat([stats.counts, stats.tokens.reshape(1)]).to(torch.float64)
-            if b.global_scope and b.group is not None and dist.get_world_size(b.group) > 1:
+            if b.pool is not None:  # every layer's (counts, tokens): f per token, as HF's
+                counts, slots = b.pool.total(), 1
+            else:
+                counts, slots = torch.cat([stats.counts, stats.tokens.reshape(1)]).to(torch.float64), b.top_k
+            if b.group is not None and dist.get_world_size(b.group) > 1:
                 dist.all_reduce(counts, group=b.group)
-            f = counts[:-1] / (counts[-1] * b.top_k)
+            f = counts[:-1] / (counts[-1] * slots)
             grad_prob = (f * (b.loss_scale * b.aux_coeff * b.experts / b.moe_layers)).to(stats.prob_mean.dtype)
         if b.z_coeff and ctx.needs_input_grad[2]:
             grad_z = torch.full_like(stats.z, b.loss_scale * b.z_coeff / b.moe_layers)

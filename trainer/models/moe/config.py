@@ -16,6 +16,7 @@ A Llama decoder (GQA, RoPE, RMSNorm) whose blocks' MLP is a token-choice mixture
       capacity_factor: null      # null: dropless; else each expert keeps ceil(cf·T·k/E) (token, slot) pairs
       balance:
         aux_loss: {scope: global-batch, coeff: 0.001}   # or micro-batch; null: no auxiliary loss
+                                                        # form: per-layer (default) | pooled (HF Mixtral's)
         bias: {bias_update_rate: 0.001}                 # DeepSeek-V3's auxiliary-loss-free bias; null: off
         z_loss: {coeff: 0.0}                            # router z-loss (ST-MoE); 0: off
 
@@ -26,6 +27,13 @@ Scopes of the auxiliary loss (trainer/models/moe/balance.py has the formula):
                  on how the batch is split over ranks ("Demons in the Detail", Qwen 2025). Under gradient
                  accumulation each micro-batch's f covers its own round of the dp ranks (Megatron-Core's
                  global_aux_loss instead carries a running sum over the step's micro-batches).
+
+Forms of the auxiliary loss (balance.py):
+  per-layer      E · Σ_i f_i · P_i per MoE layer, f_i the fraction of the (token, slot) pairs, averaged over the
+                 layers (1.0 when uniform);
+  pooled         Hugging Face Mixtral's load_balancing_loss_func: the counts and probabilities of every MoE layer
+                 pooled first, then one E · Σ_i f_i · P_i with f_i counting slots per token (top_k when uniform);
+                 its coeff is config.json's router_aux_loss_coef. Needs every MoE layer on one rank (pp 1).
 """
 
 from __future__ import annotations
@@ -57,12 +65,22 @@ class AuxScope(str, enum.Enum):
     global_batch = "global-batch"
 
 
+class AuxForm(str, enum.Enum):
+    per_layer = "per-layer"
+    pooled = "pooled"
+
+
 class AuxLossSection(Section):
-    """The load-balancing loss coeff · E · Σ_i f_i · P_i, averaged over the MoE layers."""
+    """The load-balancing loss coeff · E · Σ_i f_i · P_i, averaged over the MoE layers (per-layer) or over the
+    layers' pooled statistics (pooled, Hugging Face Mixtral's)."""
 
     scope: AuxScope = Field(AuxScope.global_batch, description="whose tokens f_i counts: micro-batch (this rank's "
                             "micro-batch) or global-batch (the micro-batch of every data-parallel rank)")
     coeff: PositiveFloat = Field(1e-3, description="weight of the auxiliary loss in the training loss", le=MAX_COEFF)
+    form: AuxForm = Field(AuxForm.per_layer, description="per-layer: each MoE layer's E·Σ f_i·P_i (f_i the "
+                          "fraction of the routed slots, 1.0 when uniform), averaged over the layers; pooled: Hugging "
+                          "Face Mixtral's load_balancing_loss_func, every layer's counts and probabilities pooled "
+                          "before one E·Σ f_i·P_i (f_i per token, top_k when uniform; coeff = router_aux_loss_coef)")
 
 
 class BiasSection(Section):
@@ -166,6 +184,10 @@ def check_parallel(cfg: MoEConfig, p: ParallelSection) -> list[tuple[str, str]]:
     if cfg.experts % p.ep:
         issues.append(("parallel.ep", f"{p.ep} does not divide model.experts ({cfg.experts}); use "
                        f"{llama_config._divisors(cfg.experts)}"))
+    aux = cfg.balance.aux_loss
+    if aux is not None and aux.form == AuxForm.pooled and p.pp > 1:
+        issues.append(("model.balance.aux_loss.form", f"pooled sums the statistics of every MoE layer, which pp = "
+                       f"{p.pp} splits over the stages; use form: per-layer, or parallel.pp: 1"))
     if p.post_validated:
         issues.append(("parallel.post_validation", f"not supported with model.kind moe yet ({p.schedule.value} "
                        "turns it on by default): a rolled-back step would need the experts' load statistics and "

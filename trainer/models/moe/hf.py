@@ -24,9 +24,9 @@ load in 4.x as randomly initialised experts. fused_state_dict gives the in-memor
 What Mixtral cannot hold is refused (HFMappingError, every field at once): shared experts, dense first
 layers, sigmoid scores, top-k weights left unnormalised, and balance.bias (the bias changes which experts
 are chosen; Mixtral's router has none). balance.aux_loss and z_loss are training terms: the aux coeff
-becomes router_aux_loss_coef (coeff / top_k, as HF's f_i sums to top_k where ours sums to 1; HF pools
-the layers' statistics where we average the layers' losses), the z-loss has no counterpart and does not
-change the forward. capacity_factor is exported, not refused: it is how training drops the (token, slot)
+becomes router_aux_loss_coef (under form: pooled, HF's own objective, the coeff itself; under per-layer,
+coeff / top_k, as HF's f_i sums to top_k where ours sums to 1, while HF pools the layers' statistics where
+per-layer averages the layers' losses), the z-loss has no counterpart and does not change the forward. capacity_factor is exported, not refused: it is how training drops the (token, slot)
 pairs that overflow an expert within a micro-batch, not a weight, and Mixtral runs dropless, which is
 what inference wants. The export equals our forward whenever no expert overflows (always when
 capacity_factor >= experts / top_k); refusing would leave every capacity-trained run without an export
@@ -93,11 +93,19 @@ def hf_config_kwargs(cfg: MoEConfig) -> dict[str, Any]:
         "intermediate_size": cfg.expert_ffn_dim,
         "num_local_experts": cfg.experts,
         "num_experts_per_tok": cfg.top_k,
-        "router_aux_loss_coef": cfg.balance.aux_coeff / cfg.top_k,
+        "router_aux_loss_coef": _router_aux_loss_coef(cfg),
         "output_router_logits": False,  # HF adds the aux loss only when asked, as Mixtral's own config has it
         "router_jitter_noise": 0.0,
         "sliding_window": None,  # full causal attention, as ours
     }
+
+
+def _router_aux_loss_coef(cfg: MoEConfig) -> float:
+    """HF's coefficient: the pooled form is HF's objective (the same coeff); per-layer's f sums to 1, HF's to top_k."""
+    from trainer.models.moe.config import AuxForm
+
+    aux = cfg.balance.aux_loss
+    return aux.coeff if aux is not None and aux.form == AuxForm.pooled else cfg.balance.aux_coeff / cfg.top_k
 
 
 def hf_config(cfg: MoEConfig) -> dict[str, Any]:
@@ -163,10 +171,9 @@ def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """A MixtralForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key,
     for what our moe cannot hold (a sliding window shorter than the context, another activation, a head dim
     other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise and are
-    not carried over. router_aux_loss_coef becomes balance.aux_loss.coeff = coef * top_k, in mantra's
-    per-layer form (the mean of each layer's loss), where HF pools every layer's statistics before one loss:
-    the coefficient's strength carries over, HF's exact objective does not (README, "Which balance objective
-    travels")."""
+    not carried over. router_aux_loss_coef becomes balance.aux_loss {form: pooled, scope: micro-batch, coeff:
+    coef}: HF's own objective, every layer's router statistics of one forward pooled before one loss, so a run
+    continues exactly what the checkpoint was trained with (README, "Which balance objective travels")."""
     if hf_cfg.get("model_type", "mixtral") != "mixtral":
         raise refusal("moe", "model_type", f"{hf_cfg.get('model_type')!r} is not mixtral")
     section = {"kind": "moe", **decoder_section(hf_cfg, "moe")}
@@ -175,11 +182,11 @@ def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise refusal("moe", "sliding_window", f"{window} is shorter than max_position_embeddings "
                       f"({section['seq_len']}) and our attention sees the whole context")
     experts, top_k = int(hf_cfg["num_local_experts"]), int(hf_cfg["num_experts_per_tok"])
-    aux = float(hf_cfg.get("router_aux_loss_coef", 0.0)) * top_k
+    aux = float(hf_cfg.get("router_aux_loss_coef", 0.0))
     return section | {
         "experts": experts, "top_k": top_k, "expert_ffn_dim": int(hf_cfg["intermediate_size"]), "shared_experts": 0,
         "first_dense_layers": 0, "score": "softmax", "norm_topk_prob": True, "capacity_factor": None,
-        "balance": {"aux_loss": {"coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
+        "balance": {"aux_loss": {"form": "pooled", "scope": "micro-batch", "coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
     }
 
 

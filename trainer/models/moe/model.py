@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from trainer.models.llama import model as llama
-from trainer.models.moe.balance import Balance
-from trainer.models.moe.config import AuxScope, MoEConfig
+from trainer.models.moe.balance import Balance, LayerPool
+from trainer.models.moe.config import AuxForm, AuxScope, MoEConfig
 from trainer.models.moe.layer import MoE
 from trainer.models.seeded_init import init_params
 from trainer.parallel.names import canonical_name
@@ -33,7 +33,8 @@ from trainer.parallel.names import canonical_name
 class RoutedFeedForward(MoE):
     """A block's mixture of experts with its balance terms and (balance.bias) its routing bias."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, index: int = 0, pool: LayerPool | None = None) -> None:
+        """`pool`: the model's LayerPool under balance.aux_loss.form pooled (shared by its MoE layers)."""
         super().__init__(cfg.dim, cfg.experts, cfg.top_k, cfg.expert_ffn_dim, cfg.shared_experts, cfg.score,
                          cfg.norm_topk_prob, cfg.capacity_factor)
         b = cfg.balance
@@ -43,7 +44,8 @@ class RoutedFeedForward(MoE):
         else:
             self.expert_bias = None
         global_scope = b.aux_loss is None or b.aux_loss.scope == AuxScope.global_batch
-        self.balance = Balance(cfg.experts, cfg.top_k, cfg.moe_layers, b.aux_coeff, global_scope, b.z_coeff)
+        self.balance = Balance(cfg.experts, cfg.top_k, cfg.moe_layers, b.aux_coeff, global_scope, b.z_coeff,
+                               pool, index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, stats = super().forward(x, bias=self.expert_bias)
@@ -55,19 +57,25 @@ class RoutedFeedForward(MoE):
 class MoEBlock(llama.TransformerBlock):
     """The Llama block with `feed_forward` a RoutedFeedForward (or, in a first dense layer, the SwiGLU)."""
 
-    def __init__(self, cfg: MoEConfig, index: int) -> None:
+    def __init__(self, cfg: MoEConfig, index: int, pool: LayerPool | None = None) -> None:
         nn.Module.__init__(self)
         self.attention_norm = llama.RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = llama.Attention(cfg)
         self.ffn_norm = llama.RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = RoutedFeedForward(cfg) if cfg.is_moe_layer(index) else llama.FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = RoutedFeedForward(cfg, index, pool) if cfg.is_moe_layer(index) else llama.FeedForward(cfg.dim, cfg.ffn_dim)
 
 
 class MoETransformer(llama.Transformer):
-    """The decoder (llama.Transformer's forward, embedding, head and RoPE) over MoE blocks."""
+    """The decoder (llama.Transformer's forward, embedding, head and RoPE) over MoE blocks; under the pooled
+    aux loss its MoE layers share one LayerPool (balance.py), made here and handed to each block."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        aux = cfg.balance.aux_loss
+        self.pool = LayerPool() if aux is not None and aux.form == AuxForm.pooled else None  # read by make_block
+        super().__init__(cfg)
 
     def make_block(self, cfg: MoEConfig, index: int) -> nn.Module:
-        return MoEBlock(cfg, index)
+        return MoEBlock(cfg, index, self.pool)
 
 
 def build(cfg: MoEConfig) -> MoETransformer:

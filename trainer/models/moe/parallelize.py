@@ -29,6 +29,7 @@ from trainer.models.llama.parallelize import (
     dense_mlp_plan,
     keep_roots_gathered_for_the_head,
 )
+from trainer.models.moe.config import AuxForm, AuxScope
 from trainer.models.moe.model import RoutedFeedForward, routed_layers
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parameter_names
@@ -109,13 +110,21 @@ def apply_moe_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence_parallel
 
 
 def configure_balance(model: torch.nn.Module, run: Resolved, mesh: ParallelMesh | None) -> None:
-    """Each MoE layer's balance terms: summed over the data-parallel ranks (dp x cp) under global-batch scope,
-    on a communicator of their own (they run inside the backward, beside the gradient reducers), and scaled
-    as each micro-batch's loss is (1 / micro-batches). Collective over the world when there is a mesh."""
+    """Each MoE layer's balance terms: counts summed over the data-parallel ranks (dp x cp) under global-batch
+    scope, or over cp alone under the pooled form's micro-batch scope (a micro-batch's sequences are split over
+    cp, and HF pools a whole forward), on a communicator of their own (they run inside the backward, beside the
+    gradient reducers), and scaled as each micro-batch's loss is (1 / micro-batches). Collective over the world
+    when there is a mesh. (Under tp the MoE layers see the whole sequence: no tp reduction.)"""
+    aux = run.manifest.model.balance.aux_loss
+    dims: tuple[str, ...] = ()
+    if aux is None or aux.scope == AuxScope.global_batch:
+        dims = ("dp_replicate", "dp_shard", "cp") if mesh is not None and mesh["dp_cp"].size() > 1 else ()
+    elif aux.form == AuxForm.pooled and run.manifest.parallel.cp > 1:
+        dims = ("cp",)
     group = None
-    if mesh is not None and mesh["dp_cp"].size() > 1:
+    if dims:
         from trainer.parallel.mesh import new_group_along
 
-        group = new_group_along(mesh, ("dp_replicate", "dp_shard", "cp"))
+        group = new_group_along(mesh, dims)
     for _, layer in routed_layers(model):
         layer.balance.configure(group, 1.0 / run.batch.microbatches)  # the loop and the pipeline both scale so

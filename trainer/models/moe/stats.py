@@ -10,7 +10,8 @@
 
 Metric keys (every sink; lists in JSONL only):
     moe_aux_loss                         E · Σ_i f_i · P_i over the step's global batch, mean over the MoE layers,
-                                         without its coefficient (1.0: perfectly even; E: all on one expert)
+                                         without its coefficient (1.0: perfectly even; E: all on one expert);
+                                         under aux_loss.form pooled HF's pooled value (top_k: perfectly even)
     moe_load_max_over_mean               the busiest expert's load over the mean load, worst MoE layer
     moe_load_max_over_mean_per_layer     the same per block (null for a dense first layer), JSONL
     moe_dropped_fraction                 (token, slot) pairs dropped by capacity_factor over all pairs routed
@@ -25,7 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from trainer.models.moe.balance import StepStats, load_imbalance, update_bias
+from trainer.models.moe.balance import StepStats, load_imbalance, pooled_aux_loss, update_bias
 from trainer.models.moe.config import METRIC_KEYS
 from trainer.models.moe.model import routed_layers
 
@@ -77,6 +78,16 @@ def _row(layer) -> list[float]:
     return [aux, imbalance, float(p["dropped"]), routed, float(p["z_sum"]) / tokens, bias_sq, 1.0]
 
 
+def _pooled(layers) -> float:
+    """HF's pooled aux loss of the last closed step (every MoE layer is on this rank: the pooled form has pp 1)."""
+    lasts = [layer.balance.last.parts(layer.num_experts) for _, layer in layers if layer.balance.last is not None]
+    if len(lasts) != len(layers) or float(lasts[0]["tokens"]) <= 0:
+        return 0.0
+    counts = torch.stack([p["counts"] for p in lasts])
+    prob = torch.stack([p["prob_sum"] / p["tokens"] for p in lasts])
+    return float(pooled_aux_loss(counts, prob, lasts[0]["tokens"]))
+
+
 @torch.no_grad()
 def metrics(parts, mesh) -> dict:
     """The METRIC_KEYS of the last closed step, the same on every rank (a collective over the world)."""
@@ -97,7 +108,7 @@ def metrics(parts, mesh) -> dict:
     has_bias = parts.model.cfg.balance.bias is not None
     per_layer = [round(float(r[1]), 6) if bool(ok) else None for r, ok in zip(table, present)]
     return {
-        "moe_aux_loss": float(rows[:, 0].mean()),
+        "moe_aux_loss": _pooled(layers) if layers and layers[0][1].balance.pool is not None else float(rows[:, 0].mean()),
         "moe_load_max_over_mean": float(rows[:, 1].max()),
         "moe_load_max_over_mean_per_layer": per_layer,
         "moe_dropped_fraction": float(rows[:, 2].sum() / rows[:, 3].sum()) if float(rows[:, 3].sum()) else 0.0,

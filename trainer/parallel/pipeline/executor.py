@@ -10,7 +10,8 @@ of consecutive SEND/RECV actions is posted as one `batch_isend_irecv`.
           are waited for at the end of the step
     F     stage input = tokens (stage 0), a received buffer, or the output of
           the previous stage on this rank (the V turn of zb-v); the last stage
-          also takes the loss, scaled by 1/microbatches (a HeadLoss: chunk by
+          also takes the loss, scaled by 1/microbatches, or by the microbatch's own
+          scale under chat data (trainer/data/chat/batches.py) (a HeadLoss: chunk by
           chunk with train.loss_chunks). Under context parallel every stage
           also gets the cp slice's RoPE positions
     B     input gradient only; W later: weight gradients (backward.py)
@@ -261,7 +262,7 @@ class Executor:
         s, mb = a.stage, a.microbatch
         last = s == self.last_stage
         if a.kind == Kind.F:
-            tokens, targets = self._batch[mb]
+            tokens, targets, *rest = self._batch[mb]  # chat: + documents (None under pp) and its loss scale
             inp = None if s == 0 else self._take(("F", s, mb)).requires_grad_()
             args = (tokens.to(self.device, non_blocking=True) if s == 0 else inp, *self._extra)
             with self._autocast:  # the last stage: its logits, or (chunked loss) its head's input
@@ -269,7 +270,8 @@ class Executor:
             if last:
                 with self.loss_context():
                     loss = self.head.loss(self.stages[s], out, targets.to(self.device, non_blocking=True),
-                                          self._autocast) / self.microbatches
+                                          self._autocast)
+                    loss = loss * rest[1] if len(rest) > 1 else loss / self.microbatches
                 detached = loss.detach()
                 detached = detached.full_tensor() if hasattr(detached, "full_tensor") else detached
                 self._loss = detached if self._loss is None else self._loss + detached
