@@ -33,7 +33,6 @@ of the collective. Both were found with trainer/report/memtrack.py's breakdown b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainer.plan import activations as act
@@ -51,9 +50,9 @@ def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
     return (first, Moment(1.0, warm=True, head=1)) if grad_accum > 1 else (first,)
 
 
-@dataclass(frozen=True)
-class Point:
-    """One moment of the step and what is alive then (bytes, by the rows `mantra plan` shows)."""
+class Point(NamedTuple):
+    """One moment of the step and what is alive then (bytes, by the rows `mantra plan` shows); a named tuple:
+    a search builds one for every moment of every rank of every layout it evaluates."""
 
     name: str
     params: float
