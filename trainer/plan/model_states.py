@@ -22,6 +22,7 @@ decayed parameters (√v); the fused CUDA kernel none.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from trainer.plan import activations as act
@@ -29,6 +30,7 @@ from trainer.plan.model import Param
 from trainer.plan.shapes import fsdp_numel, local_numel, plan_buckets
 
 
+@functools.lru_cache(maxsize=256)  # the search's memory bound asks for every candidate
 def bytes_per_param(sharding: str, d: int) -> tuple[float, float, float]:
     """(params, grads, Adam states) bytes per parameter of our fp32 path, d = dp_shard (the table above)."""
     return {"none": (4, 4, 8), "zero1": (4, 4, 8 / d), "zero2": (4, 4 / d, 8 / d), "zero3": (4 / d, 4 / d, 8 / d)}[sharding]
@@ -187,6 +189,17 @@ def states(s: Setup) -> dict[str, float]:
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
     return out
+
+
+def owned_elements(s: Setup) -> int:
+    """states(s)["owned"] alone, by the same sums: the parameters whose optimizer step the rank does (what the
+    step time reads: `plan --search` needs it for every cut it times, not the rest of `states`)."""
+    if s.mode == "zero3":
+        return sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params)
+    numels = [local_numel(p, s.tp, s.ep) for p in s.params]
+    if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
+        return plan_buckets(numels[::-1], max(s.bucket_bytes // 4, 1), s.dp_shard).shard_total
+    return sum(numels)
 
 
 def document_mask_bytes(s: Setup) -> float:
