@@ -83,19 +83,6 @@ def _stage_setup(sharding: str, pp: int, bf16: bool = False) -> memory.Setup:
                         pp=pp)
 
 
-@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
-@pytest.mark.parametrize("dp", [1, 2])
-def test_owned_elements_is_what_states_says_the_rank_owns(sharding, dp):
-    """The search times a cut from model_states.owned_elements alone; it must be states()'s `owned` exactly."""
-    from dataclasses import replace
-
-    from trainer.plan.model_states import owned_elements, states
-
-    s = replace(_stage_setup(sharding, 1), dp=dp, dp_shard=dp, bucket_bytes=2**16)
-    assert owned_elements(s) == states(s)["owned"]
-    assert (owned_elements(s) < states(replace(s, sharding="none"))["owned"]) == (dp > 1 and sharding != "none")
-
-
 @pytest.mark.parametrize("bf16", [False, True])
 def test_zero3_with_a_pipeline_holds_whole_stages_during_the_step(bf16):
     """zero3 under pp (trainer/parallel/data/fsdp.py): gathered at a stage's first forward and kept whole, gradients
