@@ -138,13 +138,5 @@ def parse_pins(items: Sequence[str]) -> dict[str, object]:
 _FIELDS = tuple(f.name for f in fields(Dials))
 
 
-def dials_of(*values: object) -> Dials:
-    """Dials(*values), the fields set straight into the instance (Dials has no __post_init__): the search
-    builds tens of thousands, and a frozen dataclass's __init__ sets each field through object.__setattr__."""
-    d = object.__new__(Dials)
-    d.__dict__.update(zip(_FIELDS, values, strict=True))
-    return d
-
-
 def _key(d: Dials) -> tuple:
     return tuple((0, 0) if v is None else (1, v) for v in map(d.__getattribute__, _FIELDS))

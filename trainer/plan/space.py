@@ -40,7 +40,7 @@ from trainer.manifest.rules.parallel import cp_over_sequence, ep_over_data, shar
 from trainer.manifest.rules.pipeline import microbatches_of, passes_of, schedule_memory_of, schedule_shape_of, stage_split
 from trainer.models import get_model_spec
 from trainer.plan.devices import Device
-from trainer.plan.dials import Dials, dials_of
+from trainer.plan.dials import Dials
 from trainer.plan.kinds import plan_of
 
 MAX_TP = 8  # tensor parallel stays inside a node
@@ -222,4 +222,4 @@ class Space:
                 self.rejected["microbatches"] += 1
                 continue
             for rc in modes:
-                yield dials_of(*degrees, *schedule, mb, n, rc)
+                yield Dials(*degrees, *schedule, mb, n, rc)
