@@ -84,3 +84,20 @@ def test_moe_rows_are_bounded_by_the_capacity_factor(factor, kept):
     expert, 616 of 2048 rows, not 0.3)."""
     moe = MoE(experts=8, ffn_dim=64, top_k=2, capacity_factor=factor)
     assert act.kept_rows(moe, 1024) == pytest.approx(kept)
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_owned_elements_is_what_states_says_the_rank_owns(sharding, dp):
+    """The search times a cut from model_states.owned_elements alone; it must be states()'s `owned` exactly."""
+    from trainer.plan.memory import Moment, Setup
+    from trainer.plan.model_states import owned_elements, states
+
+    pm = plan_of(load_manifest(LLAMA_8B)[0].manifest.model)
+    params = pm.parts[0] + tuple(q for block in pm.parts[1][:4] for q in block)
+    s = Setup(params=params, layers=4, first=True, last=False, tp=2, sp=True, dp=dp, dp_shard=dp, sharding=sharding,
+              recompute="none", bf16=True, micro_batch=1, loaded=2, moments=(Moment(2.0, at_loss=False),),
+              holds_logits=False, chunks=1, bucket_bytes=2**20, adamw=True, fused=True, model=pm, pp=2)
+    assert owned_elements(s) == states(s)["owned"]
+    whole = states(Setup(**{**s.__dict__, "sharding": "none"}))["owned"]
+    assert (owned_elements(s) < whole) == (dp > 1 and sharding != "none")

@@ -261,19 +261,40 @@ def _rank_moments(counts: tuple[int, ...], pp: int, v: int, schedule: str, at: i
     microbatches (_read_at): a schedule holds no more with fewer (tests/test_plan_search.py checks every
     generator). zb-auto (its lists depend on costs): one microbatch of one chunk, at the loss; pp = 1: one
     microbatch at a time (memory.moments_without_pipeline)."""
-    if pp == 1:
-        per_rank = [[(v, 0, False, 1, True, False)] + ([(v, 0, True, 1, True, False)] if at > 1 else [])]
-    elif schedule == "zb-auto":
-        per_rank = [[(1, 0, False, 1, True, False)]] * pp  # one chunk's microbatch
-    else:
-        per_rank = states_at_backwards(schedule, pp, at, v, ())
     held = rank_layers(layers, pp, v, counts, schedule == "zb-v")
     out = []
-    for r, rank in enumerate(per_rank):
+    for r, (plain, loss) in enumerate(_chosen(pp, v, schedule, at, last)):
         blocks = len(held[r]) / v  # states count chunk-microbatches; a rank's v chunks hold its blocks
-        plain = [(blocks * h, blocks * p, w) for h, p, w, _, _, _ in rank] if held[r] else []
-        loss = [(blocks * h, blocks * p, hd, w) for h, p, w, hd, at_loss, _ in rank if at_loss and r == last]
-        out.append((_some(plain, 3), _some(loss, 4)))
+        if not blocks:  # (scaled by 0 the states tie: chosen among the scaled ones, as _chosen does unscaled)
+            rank = _states(pp, v, schedule, at)[r]
+            loss = _some([(0.0, 0.0, hd, w) for h, p, w, hd, at_loss, _ in rank if at_loss and r == last], 4)
+            out.append((_some([], 3), loss))
+            continue
+        # scaling by blocks > 0 keeps the order of the (whole-number) states: the same ones are the largest
+        out.append((tuple((blocks * h, blocks * p, w) for h, p, w in plain) if held[r] and plain else _some([], 3),
+                    tuple((blocks * h, blocks * p, hd, w) for h, p, hd, w in loss) if loss else _some([], 4)))
+    return tuple(out)
+
+
+def _states(pp: int, v: int, schedule: str, at: int) -> tuple:
+    """Per pipeline rank, the states its backwards start in (moments.states_at_backwards, or the one-microbatch
+    stand-ins of pp = 1 and zb-auto)."""
+    if pp == 1:
+        return ([(v, 0, False, 1, True, False)] + ([(v, 0, True, 1, True, False)] if at > 1 else []),)
+    if schedule == "zb-auto":
+        return ([(1, 0, False, 1, True, False)],) * pp  # one chunk's microbatch
+    return states_at_backwards(schedule, pp, at, v, ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _chosen(pp: int, v: int, schedule: str, at: int, last: int) -> tuple[tuple[tuple, tuple], ...]:
+    """Per pipeline rank, _rank_moments' points before its blocks multiply them in (once per schedule shape,
+    whatever the split): (the plain points or (), the loss points or ())."""
+    out = []
+    for r, rank in enumerate(_states(pp, v, schedule, at)):
+        plain = [(h, p, w) for h, p, w, _, _, _ in rank]
+        loss = [(h, p, hd, w) for h, p, w, hd, at_loss, _ in rank if at_loss and r == last]
+        out.append((_some(plain, 3) if plain else (), _some(loss, 4) if loss else ()))
     return tuple(out)
 
 

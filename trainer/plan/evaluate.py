@@ -28,7 +28,7 @@ from trainer.plan.dials import Dials
 from trainer.plan.efficiency import Calibration
 from trainer.plan.estimate import Cut, RankRow, cut_of, row_of, setup_of, timing_of
 from trainer.plan.flops import Timing
-from trainer.plan.model_states import states
+from trainer.plan.model_states import owned_elements
 
 # Rules that read no dial: the base manifest passed them (it loaded), and every candidate keeps their fields.
 DIAL_FREE = (data_source, optimizer_schedule, validation)
@@ -82,12 +82,12 @@ class Evaluator:
         return cut, tuple(setup_of(run, self.device, cut, r) for r in range(run.manifest.parallel.pp))
 
     def owned(self, run: Resolved, cut: Cut, setups: tuple[memory.Setup, ...]) -> float:
-        """The parameters whose optimizer step the busiest rank does (model_states.states' `owned`), once per
+        """The parameters whose optimizer step the busiest rank does (model_states.owned_elements), once per
         cut, tp, ep and sharding: it reads only the rank's parameters, how they are cut and sharded."""
         p, s = run.manifest.parallel, setups[0]
         key = (cut.counts, p.pp, p.virtual_stages, p.schedule == Schedule.zb_v, s.tp, s.ep, s.dp_shard, s.mode)
         if key not in self._owned:
-            self._owned[key] = max(states(x)["owned"] for x in setups)
+            self._owned[key] = max(owned_elements(x) for x in setups)
         return self._owned[key]
 
     def rows(self, run: Resolved, cut: Cut, setups: tuple[memory.Setup, ...], capacity: float) -> tuple[RankRow, ...] | None:

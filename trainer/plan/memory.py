@@ -33,7 +33,7 @@ of the collective. Both were found with trainer/report/memtrack.py's breakdown b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainer.plan import activations as act
 from trainer.plan.model_states import Moment, Setup, local_elements, moments_of, states
@@ -50,9 +50,9 @@ def moments_without_pipeline(grad_accum: int) -> tuple[Moment, ...]:
     return (first, Moment(1.0, warm=True, head=1)) if grad_accum > 1 else (first,)
 
 
-@dataclass(frozen=True)
-class Point:
-    """One moment of the step and what is alive then (bytes, by the rows `mantra plan` shows)."""
+class Point(NamedTuple):
+    """One moment of the step and what is alive then (bytes, by the rows `mantra plan` shows); a named tuple:
+    a search builds one for every moment of every rank of every layout it evaluates."""
 
     name: str
     params: float
@@ -123,36 +123,70 @@ def _context_buffers(s: Setup) -> float:
     return 2 * 4 * (q + 2 * kv)
 
 
-def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
-    """The candidate peaks when one backward starts in moment `m`."""
+class _Shared(NamedTuple):
+    """What every moment's points on one rank share (computed once per rank, not once per moment)."""
+
+    precision: act.Precision
+    mode: str  # Setup.mode
+    sbh: float
+    pending: float  # what a microbatch between its B and its W keeps
+    lg: dict[str, float]  # activations.logits_bytes
+    other: float  # rope, tokens, document mask
+    base: dict[str, float]  # params, optimizer
+    head_w: float
+    tmp: float  # gradients flowing through a block
+    extra: float  # zero2's bucket, zero3's gathered units
+    flowing: float
+    own: float  # a split backward's own W inputs
+    norm_bwd: float
+    rerun: float
+
+
+def _shared(s: Setup, z: dict[str, float]) -> _Shared:
     pm, p, st = s.model, s.precision, z
     sbh, e = pm.seq_len * s.micro_batch * pm.dim, p.e
     # a microbatch between its B and its W keeps its weights' output gradients; under selective recompute also
     # what B recomputed (ws: the whole block less the kept matmul outputs), which the reusable cache hands W;
     # full recompute drops it after B and W recomputes the block again (measured on one block, tests/test_plan_families)
     pending = z["wgrad"] + (z["ws"] if s.recompute == "selective" else 0.0)
+    lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits, s.loss_chunks)
+    other = st["rope"] + st["tokens"] + st["doc_mask"]  # (document_mask runs without pp: one microbatch held)
+    base = dict(params=st["params"] + st.get("whole_params", 0.0), optimizer=st["optimizer"])
+    head_w = (s.grad_bytes if s.whole_step else 4) * pm.vocab * pm.dim / s.tp if s.last and not pm.tied else 0.0
+    tmp = 4 * sbh + 2 * e * pm.seq_len * s.micro_batch * pm.mlp_width / s.tp  # gradients flowing through the block
+    # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
+    extra = {"zero2": st.get("bucket", 0.0), "zero3": z["u_root"] + z["u_blk"] + z["ag_blk"]}.get(s.mode, 0.0)
+    # context parallel's attention buffers come once the MLP's backward (and its gradients, tmp) is done:
+    # the block's backward peaks in its MLP half (at ffn_norm's backward, measured) or in its attention half
+    flowing = max(tmp, 4 * sbh + z["cp_bwd"])
+    own = s.layers * pending / s.chunks  # the end of a microbatch's B: its own W inputs wait too
+    # B's last RMSNorm backward (measured on one block: its peak is 4 fp32 [s, b, h] above the saved W
+    # inputs): the gradient arriving at the norm, the residual's, and PowBackward's two temporaries
+    norm_bwd = 4 * 4 * sbh / (s.tp if s.sp else 1)
+    rerun = z["ws"] if s.recompute == "full" else 0.0  # W's recompute of a block under full recompute
+    return _Shared(p, s.mode, sbh, pending, lg, other, base, head_w, tmp, extra, flowing, own, norm_bwd, rerun)
+
+
+def _moment_points(s: Setup, z: dict[str, float], m: Moment, c: _Shared) -> list[Point]:
+    """The candidate peaks when one backward starts in moment `m` (`c`: what the rank's moments share)."""
+    p, st, sbh, lg, base, mode = c.precision, z, c.sbh, c.lg, c.base, c.mode
     # each held microbatch of a stage that sends on keeps the stage's output (the runtime's root for its backward);
     # a block counts its input, so this is the one residual-stream tensor per stage and microbatch not counted there
     outputs = (m.held * s.chunks - (m.head if s.last else 0)) * p.r * sbh / (s.tp if s.sp else 1) if s.pp > 1 else 0.0
-    acts = s.layers * (m.held * z["block"] + m.pending_w * pending) + max(outputs, 0.0)
+    acts = s.layers * (m.held * z["block"] + m.pending_w * c.pending) + max(outputs, 0.0)
     head_per = z["head_per"]
     head = head_per * m.head
-    lg = act.logits_bytes(pm, s.micro_batch, s.tp, s.holds_logits, s.loss_chunks)
     n_others = max(m.head - 1, 0) if m.at_loss else m.head  # other microbatches the last stage holds
     # their saved log-softmax, or once their B ran (its loss backward freed it), the logits' gradient their W waits
     # for (every pending W of a last stage's rank is the last stage's: a first stage's B does nothing)
     waiting = min(m.pending_w * s.chunks, n_others) if s.last else 0.0
     others = lg["other"] * (n_others - waiting) + lg["grad"] * waiting if s.last else 0.0
     autocast = z["casts"] * max(1.0, m.held + m.pending_w)
-    other = st["rope"] + st["tokens"] + st["doc_mask"]  # (document_mask runs without pp: one microbatch held)
-    other += m.sent * 4 * sbh / (s.tp if s.sp else 1) if s.gloo else 0.0  # fp32 sends kept to the step's end
+    other = c.other + (m.sent * 4 * sbh / (s.tp if s.sp else 1) if s.gloo else 0.0)  # fp32 sends kept to the step's end
     g_before = st["grad_persistent"]  # + earlier microbatches' gradients, where they are kept apart from the buffers
-    if m.warm and s.mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
+    if m.warm and mode in ("local", "zero3"):  # (none/zero1/zero2: every W, of any chunk, fuses into the buckets)
         g_before += z["full_grads"] + _tp_embedding_grad(s)
-    base = dict(params=st["params"] + st.get("whole_params", 0.0), optimizer=st["optimizer"])
-    head_w = (s.grad_bytes if s.whole_step else 4) * pm.vocab * pm.dim / s.tp if s.last and not pm.tied else 0.0
-    # zero3: the root unit (embedding, final norm, head) gathered for the backward, one block gathered + one prefetched
-    u_blk, ag_blk, u_root, g_blk = z["u_blk"], z["ag_blk"], z["u_root"], z["g_blk"]
+    head_w, u_root, ag_blk, g_blk = c.head_w, z["u_root"], z["ag_blk"], z["g_blk"]
     out = []
     if s.last and m.at_loss and s.loss_chunks > 1:
         out += _chunked_loss_points(s, z, base, g_before, acts + head, others, lg, other + autocast, m.split)
@@ -161,36 +195,26 @@ def _moment_points(s: Setup, z: dict[str, float], m: Moment) -> list[Point]:
                          buffers=other + autocast, **base))
         out.append(Point("head backward", grads=g_before + head_w, activations=acts + head, logits=others + lg["head_bwd"],
                          buffers=other + autocast + 4 * sbh + u_root + ag_blk, **base))
-    if s.last and m.at_loss and s.mode == "zero2":  # its hook opens the first bucket; the logits' gradient is gone by then
+    if s.last and m.at_loss and mode == "zero2":  # its hook opens the first bucket; the logits' gradient is gone by then
         out.append(Point("first gradient bucket", grads=g_before + head_w, activations=acts + head,
                          logits=others + lg["after"], buffers=other + autocast + 4 * sbh + st["bucket"], **base))
     if s.layers:
-        ws = z["ws"]
-        tmp = 4 * sbh + 2 * e * pm.seq_len * s.micro_batch * pm.mlp_width / s.tp  # gradients flowing through the block
         # this block's new gradients; the head's stay too where nothing takes them away before the step (a first
         # microbatch's .grad, zero3's root unit, reduced only after the embedding at the end of the backward)
         # (one rank's plain .grads, once they exist, take each new gradient in place: one parameter's at a time)
-        new = z["g_one"] if m.warm and s.mode == "local" else g_blk
-        new += head_w if m.at_loss and s.mode in ("zero3", "local") and not m.warm else 0.0
-        extra = {"zero2": st.get("bucket", 0.0), "zero3": u_root + u_blk + ag_blk}.get(s.mode, 0.0)
+        new = z["g_one"] if m.warm and mode == "local" else g_blk
+        new += head_w if m.at_loss and mode in ("zero3", "local") and not m.warm else 0.0
         left = (lg["after"] if m.at_loss else 0.0) + others if s.last else 0.0
-        # context parallel's attention buffers come once the MLP's backward (and its gradients, tmp) is done:
-        # the block's backward peaks in its MLP half (at ffn_norm's backward, measured) or in its attention half
-        flowing = max(tmp, 4 * sbh + z["cp_bwd"])
-        out.append(Point("first block backward", grads=g_before + new, activations=acts + ws + head_per * n_others,
-                         logits=left, buffers=other + autocast + extra + flowing, **base))
+        out.append(Point("first block backward", grads=g_before + new, activations=acts + z["ws"] + head_per * n_others,
+                         logits=left, buffers=other + autocast + c.extra + c.flowing, **base))
         if m.split:  # the end of this microbatch's B on the rank: its own W inputs (and logits' gradient) now wait too
-            own = s.layers * pending / s.chunks
-            # B's last RMSNorm backward (measured on one block: its peak is 4 fp32 [s, b, h] above the saved W
-            # inputs): the gradient arriving at the norm, the residual's, and PowBackward's two temporaries
-            norm_bwd = 4 * 4 * sbh / (s.tp if s.sp else 1)
-            rerun = z["ws"] if s.recompute == "full" else 0.0  # W's recompute of a block under full recompute
-            out.append(Point("input-gradient pass", grads=g_before, activations=acts + own + rerun + head_per * n_others + head,
+            out.append(Point("input-gradient pass", grads=g_before,
+                             activations=acts + c.own + c.rerun + head_per * n_others + head,
                              logits=others + (lg["grad"] + lg["b_loss"] if s.last and m.at_loss else 0.0),
-                             buffers=other + autocast + norm_bwd,
+                             buffers=other + autocast + c.norm_bwd,
                              **base))
-        if s.mode == "zero3" and not s.whole_step:
-            out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + tmp)
+        if mode == "zero3" and not s.whole_step:
+            out += _zero3_block_points(s, z, m, base, acts, new, g_before, left, head_per * n_others, other + autocast + c.tmp)
     return out
 
 
@@ -239,7 +263,8 @@ def _zero3_block_points(s: Setup, z: dict[str, float], m: Moment, base: dict, ac
 def points(s: Setup) -> list[Point]:
     """The candidate peaks of one step on this rank (see the module docstring)."""
     st = _sizes(s)
-    out = [pt for m in s.moments for pt in _moment_points(s, st, m)]
+    shared = _shared(s, st)
+    out = [pt for m in s.moments for pt in _moment_points(s, st, m, shared)]
     base = dict(params=st["params"], optimizer=st["optimizer"])
     other = st["rope"] + st["tokens"]
     out.append(Point("optimizer step", grads=st["grad_step"], activations=0.0, logits=0.0,

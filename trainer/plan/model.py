@@ -35,7 +35,7 @@ class Param:
     embedding: bool = False  # the input embedding (with layer None); the rest outside the blocks is the head's
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_local_numel", {})  # (tp, ep) -> local_numel; not a field: eq and hash ignore it
+        object.__setattr__(self, "_local_numel", {})  # (tp, ep) -> local_numel, ("fsdp", ...) -> fsdp_numel; not a field
 
     @functools.cached_property
     def numel(self) -> int:

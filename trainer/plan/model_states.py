@@ -22,6 +22,7 @@ decayed parameters (√v); the fused CUDA kernel none.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from trainer.plan import activations as act
@@ -29,6 +30,7 @@ from trainer.plan.model import Param
 from trainer.plan.shapes import fsdp_numel, local_numel, plan_buckets
 
 
+@functools.lru_cache(maxsize=256)  # the search's memory bound asks for every candidate
 def bytes_per_param(sharding: str, d: int) -> tuple[float, float, float]:
     """(params, grads, Adam states) bytes per parameter of our fp32 path, d = dp_shard (the table above)."""
     return {"none": (4, 4, 8), "zero1": (4, 4, 8 / d), "zero2": (4, 4 / d, 8 / d), "zero3": (4 / d, 4 / d, 8 / d)}[sharding]
@@ -154,23 +156,25 @@ def local_elements(s: Setup, keep) -> int:
 def states(s: Setup) -> dict[str, float]:
     """Persistent bytes: parameters, optimizer states, gradient storage between steps, and the rest."""
     pm = s.model
-    total = local_elements(s, lambda p: True)
-    decayed = local_elements(s, lambda p: p.is_matrix)
+    numels = [local_numel(p, s.tp, s.ep) for p in s.params]  # (whole numbers: any order sums them exactly)
+    total = sum(numels)
+    decayed = sum(n for n, p in zip(numels, s.params) if p.is_matrix)
     # inputs and targets (int64), and with data.document_mask each token's document number (int64)
     per_token = 24 if s.document_mask else 16
     out: dict[str, float] = {"rope": 2 * pm.seq_len * pm.head_dim * 4,
                              "tokens": per_token * s.micro_batch * pm.seq_len * s.loaded,
                              "doc_mask": document_mask_bytes(s)}
     if s.mode == "zero3":
-        shard = sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params)
-        out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params if p.is_matrix),
+        cut = [fsdp_numel(p, s.tp, s.dp_shard, s.ep) for p in s.params]
+        shard = sum(c[0] for c in cut)
+        out |= {"params": 4 * shard, "owned": shard, "owned_decayed": sum(c[0] for c, p in zip(cut, s.params) if p.is_matrix),
                 "grad_persistent": 0.0, "grad_step": 4 * shard, "tensors": len(s.params)}
         unit = 2 if s.bf16 else 4  # FSDP's param dtype
-        out["whole_params"] = unit * sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[1] for p in s.params) if s.whole_step else 0.0
+        out["whole_params"] = unit * sum(c[1] for c in cut) if s.whole_step else 0.0
     elif s.mode in ("none", "zero1", "zero2"):
         shards = 1 if s.mode == "none" else s.dp_shard
         backward_order = list(reversed(s.params))
-        plan = plan_buckets([local_numel(p, s.tp, s.ep) for p in backward_order], max(s.bucket_bytes // 4, 1), shards)
+        plan = plan_buckets(numels[::-1], max(s.bucket_bytes // 4, 1), shards)
         owned = plan.shard_total if shards > 1 else total
         grad = 4 * (plan.shard_total if s.mode == "zero2" else plan.total)
         out |= {"params": 4 * total, "owned": owned, "owned_decayed": decayed * owned / max(total, 1),
@@ -185,6 +189,17 @@ def states(s: Setup) -> dict[str, float]:
     out["optimizer"] = (8 * out["owned"] + 4 * out["tensors"]) if s.adamw else 0.0
     out["opt_temp"] = 0.0 if (s.fused or not s.adamw) else 4 * out["owned_decayed"]
     return out
+
+
+def owned_elements(s: Setup) -> int:
+    """states(s)["owned"] alone, by the same sums: the parameters whose optimizer step the rank does (what the
+    step time reads: `plan --search` needs it for every cut it times, not the rest of `states`)."""
+    if s.mode == "zero3":
+        return sum(fsdp_numel(p, s.tp, s.dp_shard, s.ep)[0] for p in s.params)
+    numels = [local_numel(p, s.tp, s.ep) for p in s.params]
+    if s.mode in ("zero1", "zero2") and s.dp_shard > 1:
+        return plan_buckets(numels[::-1], max(s.bucket_bytes // 4, 1), s.dp_shard).shard_total
+    return sum(numels)
 
 
 def document_mask_bytes(s: Setup) -> float:
@@ -204,6 +219,5 @@ def _first_bucket(backward_order: list[Param], first_bucket: int, tp: int, ep: i
             break
         seen, last = seen + n, n
         inside.add(id(p))
-    blocks = {p.layer for p in backward_order if p.layer is not None}
-    left = sum(1 for layer in blocks if any(id(p) not in inside for p in backward_order if p.layer == layer))
-    return left, last
+    left = {p.layer for p in backward_order if p.layer is not None and id(p) not in inside}  # one pass, not one a block
+    return len(left), last

@@ -61,13 +61,12 @@ def backward_states(schedule: str, pp: int, microbatches: int, v: int,
     for rank, actions in enumerate(lists(schedule, pp, microbatches, v, options)):
         held = pending = head = sent = 0
         warm, latest, sends_on = False, {}, set()
-        for a in actions:
-            kind, s = a.kind, a.stage
+        for s, kind, mb in actions:  # (an Action is the tuple (stage, kind, microbatch))
             if kind is forward:
                 held += 1
                 head += s == last
                 if s != last and rank_of[s + 1] != rank:
-                    sends_on.add((s, a.microbatch))
+                    sends_on.add((s, mb))
                 continue
             if kind is split and s == 0:
                 continue
@@ -80,7 +79,7 @@ def backward_states(schedule: str, pp: int, microbatches: int, v: int,
             pending -= kind is weight and s != 0
             held, warm = held - 1, True
             head -= s == last
-            sent += (s, a.microbatch) in sends_on
+            sent += (s, mb) in sends_on
         out.append(tuple(sorted(state + (n,) for state, n in latest.items())))
     return tuple(out)
 

@@ -43,10 +43,15 @@ def local_numel(p: Param, tp: int, ep: int = 1) -> int:
 def fsdp_numel(p: Param, tp: int, shards: int, ep: int = 1) -> tuple[int, int]:
     """(sharded, padded unsharded) elements of one FSDP2 parameter: dim 0 cut in `shards` chunks of
     ceil(rows / shards) rows, each rank's chunk padded to that size (what the rank allocates)."""
-    shape = local_shape(p, tp, ep)
-    rows, rest = shape[0], math.prod(shape[1:])
-    chunk = -(-rows // shards)
-    return chunk * rest, chunk * shards * rest
+    key = ("fsdp", tp, shards, ep)  # cached on the Param as local_numel is: `plan --search` asks per rank and layout
+    try:
+        return p._local_numel[key]
+    except KeyError:
+        shape = local_shape(p, tp, ep)
+        rows, rest = shape[0], math.prod(shape[1:])
+        chunk = -(-rows // shards)
+        out = p._local_numel[key] = (chunk * rest, chunk * shards * rest)
+        return out
 
 
 @dataclass(frozen=True)

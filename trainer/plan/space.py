@@ -69,6 +69,8 @@ class Space:
     device: Device
     pins: dict[str, object] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)  # rule level -> layouts (or groups of them) refused
+    _modes: dict = field(default_factory=dict, repr=False)  # (cp, pp) -> the recompute modes the kind runs
+    _split_ok: dict = field(default_factory=dict, repr=False)  # (schedule, pp, v, microbatches) -> the rules accept
 
     def __post_init__(self) -> None:
         m = self.base.manifest
@@ -201,15 +203,22 @@ class Space:
         natural = [b for b in divisors(per_rank) if b <= MAX_MICRO]
         if "microbatches" in self.pins:
             natural = [per_rank // self.pins["microbatches"]] if per_rank % self.pins["microbatches"] == 0 else []
-        modes = [rc for rc in self._domain("recompute", list(RECOMPUTE))
-                 if not refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, rc,
-                                                m.train.selective_policy.value))]
+        modes = self._modes.get((cp, pp))
+        if modes is None:
+            modes = self._modes[(cp, pp)] = [
+                rc for rc in self._domain("recompute", list(RECOMPUTE))
+                if not refused(capabilities_of(self.spec, m.model.kind, m.data.document_mask, cp, pp, m.train.compile, rc,
+                                               m.train.selective_policy.value))]
         for mb in self._domain("micro_batch", natural):
             if per_rank % mb:
                 self.rejected["batch"] += 1
                 continue
             n = per_rank // mb
-            if refused(microbatches_of(name, pp, n)) or refused(passes_of(pp, v, n)):
+            ok = self._split_ok.get((name, pp, v, n))
+            if ok is None:  # (the same schedule, pp and microbatches come back under every sharding and split)
+                ok = self._split_ok[(name, pp, v, n)] = not (refused(microbatches_of(name, pp, n))
+                                                             or refused(passes_of(pp, v, n)))
+            if not ok:
                 self.rejected["microbatches"] += 1
                 continue
             for rc in modes:

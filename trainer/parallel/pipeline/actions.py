@@ -28,6 +28,7 @@ import enum
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from trainer.parallel.pipeline.stages import StageLayout
 
@@ -63,9 +64,10 @@ _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)$")
 _TORCH_PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|B|W)(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of one rank: `kind` on virtual `stage` for `microbatch`."""
+class Action(NamedTuple):
+    """One step of one rank: `kind` on virtual `stage` for `microbatch` (a named tuple: schedules build hundreds
+    of thousands of them, and a tuple is built in a fraction of a frozen dataclass's time; ordered and hashed
+    as the tuple (stage, kind, microbatch))."""
 
     stage: int
     kind: Kind
@@ -132,20 +134,23 @@ def parse_torch_action(text: str) -> Action:
     return Action(int(stage), kind, int(microbatch))
 
 
+_tuple = tuple.__new__  # Action(...) without its keyword-handling __new__: the schedules' hot path
+
+
 def F(stage: int, microbatch: int) -> Action:
-    return Action(stage, Kind.F, microbatch)
+    return _tuple(Action, (stage, Kind.F, microbatch))
 
 
 def B(stage: int, microbatch: int) -> Action:
-    return Action(stage, Kind.B, microbatch)
+    return _tuple(Action, (stage, Kind.B, microbatch))
 
 
 def W(stage: int, microbatch: int) -> Action:
-    return Action(stage, Kind.W, microbatch)
+    return _tuple(Action, (stage, Kind.W, microbatch))
 
 
 def BW(stage: int, microbatch: int) -> Action:
-    return Action(stage, Kind.BW, microbatch)
+    return _tuple(Action, (stage, Kind.BW, microbatch))
 
 
 def compute_only(rank_actions: Iterable[Action]) -> list[Action]:

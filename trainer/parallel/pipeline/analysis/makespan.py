@@ -20,6 +20,7 @@ the same schedule with many costs pays one pass of float arithmetic per action.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,25 +50,33 @@ class CompiledStep:
     def evaluate(self, costs: Costs) -> tuple[float, tuple[float, ...]]:
         """(makespan, busy time per rank) of one step with `costs`; equal to simulate_ranks' to the last bit."""
         table = costs.per_stage(self.layout)
-        comm = table[Kind.SEND_F]
+        comm = [*table[Kind.SEND_F], 0.0]  # NONE (-1): no boundary crossed, no comm
         flat = [t for kind in _KINDS for t in table[kind]]
         dur = [flat[j] for j in self.duration]
         n = len(dur)
-        start, end = [0.0] * n, [0.0] * n
-        prev, first, fcomm, second, scomm = self.prev, self.first, self.first_comm, self.second, self.second_comm
-        for i in self.order:
-            a = first[i]
-            at = 0.0 if a == NONE else (end[a] + comm[fcomm[i]] if fcomm[i] != NONE else end[a])
-            b = second[i]
-            if b != -2:  # a backward: its own forward and the gradient from downstream
-                grad = 0.0 if b == NONE else (end[b] + comm[scomm[i]] if scomm[i] != NONE else end[b])
-                at = max(at, grad)
-            p = prev[i]
-            begin = max(0.0 if p == NONE else end[p], at)
-            start[i], end[i] = begin, begin + dur[i]
+        start, end = [0.0] * n, [0.0] * (n + 1)  # end[NONE] = end[-1] = 0.0: an input that is always there
+        # x + 0.0 is x, and an action missing an input waits for max(..., 0.0): the simulator's additions and
+        # maxima on the same times (times are >= 0), one branch-free pass
+        for i, a, a_comm, b, b_comm, p in self._steps:
+            at = end[a] + comm[a_comm]
+            grad = end[b] + comm[b_comm]
+            if grad > at:
+                at = grad
+            ready = end[p]
+            if ready > at:
+                at = ready
+            start[i], end[i] = at, at + dur[i]
         busy = tuple(sum(end[i] - start[i] for i in rank) for rank in self.ranks)
         makespan = max((end[rank[-1]] for rank in self.ranks if rank), default=0.0)
         return makespan, busy
+
+    @functools.cached_property
+    def _steps(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
+        """Per action in dependency order: (it, its first input, that input's boundary, its second input (NONE for
+        none), that one's boundary, its rank's previous action), NONE = -1 indexing the zero time at the end."""
+        second = tuple(NONE if b == -2 else b for b in self.second)
+        return tuple((i, self.first[i], self.first_comm[i], second[i], self.second_comm[i], self.prev[i])
+                     for i in self.order)
 
 
 def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> CompiledStep:
@@ -76,12 +85,14 @@ def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> Com
     import numpy as np
 
     code = {kind: i for i, kind in enumerate(_KINDS)}  # F 0, B 1, W 2, BW 3
+    every = [a for rank in lists for a in rank]
+    columns = tuple(zip(*every)) if every else ((), (), ())  # an Action is the tuple (stage, kind, microbatch)
     try:
-        kind = np.array([code[a.kind] for rank in lists for a in rank], dtype=np.int64)
+        kind = np.array([code[k] for k in columns[1]], dtype=np.int64)
     except KeyError:
         raise ValueError("compile_lists takes compute-only lists (schedule.compute_only())") from None
-    stage = np.array([a.stage for rank in lists for a in rank], dtype=np.int64)
-    mb = np.array([a.microbatch for rank in lists for a in rank], dtype=np.int64)
+    stage = np.array(columns[0], dtype=np.int64)
+    mb = np.array(columns[2], dtype=np.int64)
     sizes = [len(rank) for rank in lists]
     n, stages, mbs = len(kind), layout.num_stages, int(mb.max()) + 1 if len(mb) else 1
     index = np.arange(n, dtype=np.int64)
@@ -106,10 +117,9 @@ def compile_lists(lists: Sequence[Sequence[Action]], layout: StageLayout) -> Com
     missing = ((first == -1) & (first_stage >= 0)) | (down & (second == -1))
     if missing.any():
         i = int(np.argmax(missing))
-        flat = [a for rank in lists for a in rank]
         need = (f"{stage[i] - 1}F" if kind[i] == 0 else f"{stage[i]}B" if kind[i] == 2 else
                 f"{stage[i]}F" if first[i] == -1 else f"{stage[i] + 1}B")
-        raise Deadlock(f"{flat[i]} waits for {need}{mb[i]}, which no rank runs")
+        raise Deadlock(f"{every[i]} waits for {need}{mb[i]}, which no rank runs")
     ranks = tuple(tuple(range(starts[r], starts[r + 1])) for r in range(len(lists)))
     prev_l, first_l, second_l = prev.tolist(), first.tolist(), second.tolist()
     order = _dependency_order(first_l, second_l, ranks, lists)

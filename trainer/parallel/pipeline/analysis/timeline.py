@@ -22,11 +22,17 @@ from __future__ import annotations
 import itertools
 import textwrap
 from dataclasses import dataclass
+from html import escape as _html_escape
 from pathlib import Path
-from xml.sax.saxutils import escape
 
 from trainer.parallel.pipeline.actions import Kind
 from trainer.parallel.pipeline.analysis.simulate import SimResult, Span
+
+
+def escape(text: str) -> str:
+    """&, < and > as XML entities (xml.sax.saxutils.escape's, without its import of urllib and http)."""
+    return _html_escape(text, quote=False)
+
 
 COLORS = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.W: "#8172b2", Kind.BW: "#dd8452"}
 NAMES = {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "full backward (B+W in one)"}

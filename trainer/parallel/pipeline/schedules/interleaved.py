@@ -31,21 +31,20 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = 2) -> lis
     need_microbatches("interleaved-1f1b", pp, microbatches)
     require(microbatches % pp == 0, f"interleaved-1f1b needs microbatches divisible by pp ({pp}), got {microbatches}")
     total = microbatches * v
-
-    def forward(r: int, k: int) -> Action:
-        return F((k // pp) % v * pp + r, (k // (pp * v)) * pp + k % pp)
-
-    def backward(r: int, k: int) -> Action:
-        return BW((v - 1 - (k // pp) % v) * pp + r, (k // (pp * v)) * pp + k % pp)
+    # the k-th forward and backward of any rank: its stage less the rank, and its microbatch (the same on every
+    # rank, so computed once: `plan --search` builds schedules of thousands of actions)
+    chunk_f = [(k // pp) % v * pp for k in range(total)]
+    chunk_b = [(v - 1 - (k // pp) % v) * pp for k in range(total)]
+    mb = [(k // (pp * v)) * pp + k % pp for k in range(total)]
 
     ranks = []
     for r in range(pp):
+        forwards = [F(c + r, n) for c, n in zip(chunk_f, mb)]
+        backwards = [BW(c + r, n) for c, n in zip(chunk_b, mb)]
         warmup = min((v - 1) * pp + 2 * (pp - 1 - r), total)
-        ops = [forward(r, k) for k in range(warmup)]  # warmup
-        for k in range(total - warmup):  # steady: one forward, one backward
-            ops += [forward(r, warmup + k), backward(r, k)]
-        ops += [backward(r, k) for k in range(total - warmup, total)]  # cooldown
-        ranks.append(ops)
+        steady = [None] * (2 * (total - warmup))  # one forward, one backward
+        steady[0::2], steady[1::2] = forwards[warmup:], backwards[:total - warmup]
+        ranks.append(forwards[:warmup] + steady + backwards[total - warmup:])  # warmup, steady, cooldown
     return ranks
 
 

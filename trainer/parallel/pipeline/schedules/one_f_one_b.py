@@ -25,11 +25,10 @@ def one_f_one_b(pp: int, microbatches: int, virtual_stages: int = 1) -> list[lis
     ranks = []
     for r in range(pp):
         warmup = min(pp - 1 - r, microbatches)
-        ops = [F(r, mb) for mb in range(warmup)]  # warmup
-        for k in range(microbatches - warmup):  # steady: 1F1B
-            ops += [F(r, warmup + k), BW(r, k)]
-        ops += [BW(r, mb) for mb in range(microbatches - warmup, microbatches)]  # cooldown
-        ranks.append(ops)
+        forwards, backwards = [F(r, mb) for mb in range(microbatches)], [BW(r, mb) for mb in range(microbatches)]
+        steady = [None] * (2 * (microbatches - warmup))  # 1F1B
+        steady[0::2], steady[1::2] = forwards[warmup:], backwards[:microbatches - warmup]
+        ranks.append(forwards[:warmup] + steady + backwards[microbatches - warmup:])  # warmup, steady, cooldown
     return ranks
 
 
