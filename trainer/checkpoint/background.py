@@ -9,11 +9,11 @@
                                                  rank 0: COMMITTED with every checksum, then `latest`, prune
 
 The thread's heavy work releases the GIL: the finite check (one sum per tensor) runs in torch's kernels,
-file writes and xxh3 in C. The thread runs at the lowest CPU priority (nice 19, `lower_priority`): where
-training keeps every core busy (a CPU run) the write takes the cycles training leaves, so the steps it
-overlaps stay near their plain time and the write itself takes longer. Its collectives (the NaN vote,
-DCP's plan gathers, the barrier before the step directory is used) run on a gloo group of their own, so
-they never interleave with training's. The thread is a daemon: a rank that dies mid-write leaves a step
+file writes and xxh3 in C. DCP's planning and the metadata are Python, under the GIL. The thread keeps
+the process's CPU priority: at nice 19 it was preempted while holding the GIL, and the training thread
+waited on it (bench/results/checkpoint-2026-12-04.jsonl). Its collectives (the NaN vote, DCP's plan
+gathers, the barrier before the step directory is used) run on a gloo group of their own, so they never
+interleave with training's. The thread is a daemon: a rank that dies mid-write leaves a step
 directory without COMMITTED, which resume skips.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +42,6 @@ from trainer.checkpoint.trainer_state import write_file
 WAIT_FOR_LOOP_ENV = "MANTRA_TEST_CKPT_WRITE_WAITS_FOR_LOOP"
 SLOW_WRITE_ENV = "MANTRA_TEST_SLOW_CKPT_WRITE_S"
 HOLD_COMMIT_ENV = "MANTRA_TEST_HOLD_CKPT_COMMIT_AT"
-WRITER_NICE = 19  # the background writer's CPU priority: the lowest, training first
 
 
 @dataclass
@@ -75,7 +73,6 @@ def start_write(job: WriteJob, group, check: Callable, commit: Callable[[int, Pa
     future: Future = Future()
 
     def run() -> None:
-        lower_priority()
         try:
             future.set_result(write(job, group, check, commit))
         except BaseException as exc:  # CheckpointException is a BaseException; the training thread re-raises it
@@ -83,17 +80,6 @@ def start_write(job: WriteJob, group, check: Callable, commit: Callable[[int, Pa
 
     threading.Thread(target=run, name=f"mantra-checkpoint-{job.step}", daemon=True).start()
     return future
-
-
-def lower_priority(nice: int = WRITER_NICE) -> None:
-    """The calling thread at priority `nice`, and the threads it starts after. Linux only: there nice is per
-    thread; elsewhere a thread id passed as PRIO_PROCESS would name a whole process."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (OSError, AttributeError):  # not Linux, or not allowed: the write still runs, at the usual priority
-        pass
 
 
 def _barrier(group) -> None:
