@@ -139,3 +139,40 @@ def write_config(tmp_path: Path, name: str, settings: dict) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_write_in_flight_commits_it_stops_and_resumes_exactly(tmp_path):
+    """Saves every 2 steps, each write held until the loop waits for it, so a write is always in flight.
+    SIGTERM after step 3: the run commits the held write and its stop checkpoint, then exits 75 as any
+    preempted run. A second run resumed from the checkpoint that was in flight repeats the first run's
+    steps after it exactly, and its last step's background save commits before it exits."""
+    settings = merge(ASYNC, {"checkpoint": {"every": 2, "keep": 100}, "train": {"steps": 24}})
+    path = write(tmp_path, "term", settings)
+    env = dict(os.environ, MANTRA_TEST_CKPT_WRITE_WAITS_FOR_LOOP="1")
+    proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "run", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_step(tmp_path / "term", 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = json.loads((tmp_path / "term/status.json").read_text())
+    assert stopped["state"] == "stopped" and 3 <= stopped["step"] < 24, stopped
+    stop, held = stopped["step"], (stopped["step"] - 1) // 2 * 2  # held: the last save before the stop's step
+    ckpt = tmp_path / "term/ckpt"
+    assert (ckpt / "latest").read_text().strip() == f"step-{stop:08d}"
+    assert all((ckpt / f"step-{s:08d}/COMMITTED").exists() for s in [*range(2, stop, 2), stop])
+    lines = err.splitlines()
+    signalled = next(i for i, line in enumerate(lines) if "SIGTERM: saving at the next step boundary" in line)
+    written = next(i for i, line in enumerate(lines) if f"checkpoint step {held} written" in line)
+    assert signalled < written, err[-3000:]  # in flight when the signal came, committed before the exit
+
+    resumed = merge(settings, {"checkpoint": {"resume_from": str(ckpt / f"step-{held:08d}")}})
+    again = subprocess.run([sys.executable, "-m", "launchers.cli", "run", str(write(tmp_path, "again", resumed))],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first, second = last_per_step(tmp_path / "term"), last_per_step(tmp_path / "again")
+    assert sorted(second) == list(range(held + 1, 25))
+    assert [second[s] for s in range(held + 1, stop + 1)] == [first[s] for s in range(held + 1, stop + 1)]
+    assert (tmp_path / "again/ckpt/latest").read_text().strip() == "step-00000024"  # the last step's write
+    assert (tmp_path / "again/ckpt/step-00000024/COMMITTED").exists()

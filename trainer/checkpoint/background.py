@@ -8,10 +8,13 @@
     return to training                           DCP plan + raw chunks, hashed as written (storage.py)
                                                  rank 0: COMMITTED with every checksum, then `latest`, prune
 
-The thread's heavy work releases the GIL: tensor copies and `isfinite` run in torch's kernels, file writes
-and xxh3 in C. Its collectives (the NaN vote, DCP's plan gathers, the barrier before the step directory
-is used) run on a gloo group of their own, so they never interleave with training's. The thread is a
-daemon: a rank that dies mid-write leaves a step directory without COMMITTED, which resume skips.
+The thread's heavy work releases the GIL: the finite check (one sum per tensor) runs in torch's kernels,
+file writes and xxh3 in C. DCP's planning and the metadata are Python, under the GIL. The thread keeps
+the process's CPU priority: at nice 19 it was preempted while holding the GIL, and the training thread
+waited on it (bench/results/checkpoint-2026-12-04.jsonl). Its collectives (the NaN vote, DCP's plan
+gathers, the barrier before the step directory is used) run on a gloo group of their own, so they never
+interleave with training's. The thread is a daemon: a rank that dies mid-write leaves a step
+directory without COMMITTED, which resume skips.
 """
 
 from __future__ import annotations

@@ -136,8 +136,12 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
 
 
 def first_nonfinite(state) -> str | None:
-    """The key of the first floating tensor (this rank's shard) holding NaN or inf, else None; one sync."""
-    names, flags = [], []
+    """The key of the first floating tensor (this rank's shard) holding NaN or inf, else None; one sync.
+
+    One pass over each tensor, nothing allocated: a sum is finite only if every element is (NaN and inf
+    propagate; low precision sums in float32). Only a tensor whose sum is not finite is checked element by
+    element, as a sum of large finite values can overflow: that tensor is the answer only if it holds one."""
+    names, tensors = [], []
 
     def walk(prefix: str, value) -> None:
         if isinstance(value, dict):
@@ -147,17 +151,27 @@ def first_nonfinite(state) -> str | None:
             for i, item in enumerate(value):
                 walk(f"{prefix}.{i}", item)
         elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
             names.append(prefix)
-            flags.append(torch.isfinite(local).all())
+            tensors.append(value.to_local() if hasattr(value, "to_local") else value)  # a DTensor: this rank's shard
 
     walk("", state)
-    if not flags:
+    if not tensors:
         return None
-    ok = torch.stack(flags)
-    if bool(ok.all()):
+    sums = torch.stack([torch.isfinite(_wide_sum(t)) for t in tensors])
+    if bool(sums.all()):
         return None
-    return names[int((~ok).nonzero()[0])]
+    for i in (~sums).nonzero().flatten().tolist():
+        exact = tensors[i] if tensors[i].dtype.itemsize > 1 else tensors[i].float()  # float8: no isfinite
+        if not bool(torch.isfinite(exact).all()):
+            return names[i]
+    return None
+
+
+def _wide_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor`, accumulated in float32 at least (a half-precision sum overflows early)."""
+    if tensor.dtype in (torch.float16, torch.bfloat16) or tensor.dtype.itemsize == 1:
+        return tensor.sum(dtype=torch.float32)
+    return tensor.sum()
 
 
 @dataclass
