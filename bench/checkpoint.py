@@ -3,10 +3,13 @@
     python bench/checkpoint.py            # tiny (3.3M) and ~100M Llama, one process, AdamW state included
     python bench/checkpoint.py --quick    # tiny alone (batch 1), a 16 MiB checksum buffer (tests/test_bench_smoke.py)
     python bench/checkpoint.py --ranks 2  # ~100M under `mantra run`, dp2 zero2: the same numbers from metrics.jsonl
+    python bench/checkpoint.py --writer thread   # checkpoint.async_writer (default process)
 
-"Lost" is what the training loop waits for: the whole save when synchronous,
-only the staging copy when asynchronous (the write then overlaps training;
-`total_s` is when it is committed). Each mode saves `--saves` times after a
+"Lost" is what the training loop waits for: the whole save when synchronous;
+asynchronous, the save call (the state dict, the staging buffers' layout, the
+small files) and what the next step's update waits for the staging copy, which
+runs during that step's forward and backward (Checkpointer.settle). The write
+then overlaps training; `total_s` is when it is committed. Each mode saves `--saves` times after a
 step; lost_s and total_s are means over the saves after the first (the first
 asynchronous save also allocates the staging buffers: `first_lost_s`). Steps
 run on while an asynchronous write is in flight: `overlapped_step_s` is their
@@ -95,13 +98,17 @@ def _setup(overrides: list[str]):
     loader = build_loader(m.data, seq_len=m.model.seq_len, vocab=m.model.vocab, seed=0, global_batch=run.batch.global_batch,
                           micro_batch=run.batch.micro_batch, microbatches=run.grad_accum, dp_rank=0, dp_size=1)
     counter = iter(range(10_000))
+    settled = []  # what each step waited, before its update, for a save's staging copy (Checkpointer.settle)
 
-    def step() -> float:
+    def step(before_update=lambda: 0.0) -> float:
         start = time.perf_counter()
         train_step(model, sync, loader.microbatches(next(counter)), device, torch.autocast("cpu", enabled=False), 1,
                    run.grad_accum)
+        settled.append(before_update())
         sync.step()
         return time.perf_counter() - start
+
+    step.settled = settled
 
     return model, sync, schedule, loader, step
 
@@ -112,13 +119,15 @@ def _saves(mode: str, ckpt: Checkpointer, state, step, saves: int) -> dict:
     model, sync, schedule, loader = state
     lost, total, overlapped = [], [], []
     for i in range(1, saves + 1):
-        step()
+        step(ckpt.settle)
         start = time.perf_counter()
         path = ckpt.save(i, sync, model, schedule, loader, "", asynchronous=mode == "async")
         lost.append(time.perf_counter() - start)
         if mode == "async":
+            overlapped.append(step(ckpt.settle))  # its update waits for what is left of the staging copy
+            lost[-1] += step.settled[-1]
             while ckpt.writing:
-                overlapped.append(step())
+                overlapped.append(step(ckpt.settle))
             ckpt.wait()
             total.append(lost[-1] + ckpt.write_s)
         else:
@@ -130,7 +139,8 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
 
-def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves: int, steps: int) -> list[dict]:
+def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves: int, steps: int,
+          writer: str) -> list[dict]:
     """Steps without saves (the reference step time), then `saves` synchronous and `saves` asynchronous saves;
     lost_s/total_s: the mean over the saves after the first (which also allocates the staging buffers,
     `first_lost_s`), and their ratios to the synchronous ones."""
@@ -139,8 +149,9 @@ def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves:
     plain = [step() for _ in range(steps)]
     rows, device = [], torch.device("cpu")
     for mode in ("sync", "async"):
-        ckpt = Checkpointer(tmp / name / mode, keep=2, rank=0, world_size=1, device=device)
+        ckpt = Checkpointer(tmp / name / mode, keep=2, rank=0, world_size=1, device=device, writer=writer)
         got = _saves(mode, ckpt, (model, sync, schedule, loader), step, saves)
+        ckpt.close()
         steady = slice(1 if saves > 1 else 0, None)
         load_start = time.perf_counter()
         assert ckpt.load_latest(None, sync, model, schedule, loader) is not None
@@ -151,7 +162,7 @@ def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves:
         load_off_s = time.perf_counter() - load_start
         size = dir_bytes(got["path"])
         rows.append({"bench": "checkpoint", "model": name, "params": sum(p.numel() for p in model.parameters()),
-                     "mode": mode, "bytes": size, "saves": saves, "lost_s": _mean(got["lost"][steady]),
+                     "mode": mode, "writer": writer if mode == "async" else None, "bytes": size, "saves": saves, "lost_s": _mean(got["lost"][steady]),
                      "first_lost_s": round(got["lost"][0], 3), "total_s": _mean(got["total"][steady]),
                      "save_hash_s": round(size / (stream_gbps * 1e9), 3), "load_s": round(load_s, 3),
                      "load_off_s": round(load_off_s, 3), "train_step_s": _mean(plain),
@@ -163,9 +174,11 @@ def bench(name: str, overrides: list[str], tmp: Path, stream_gbps: float, saves:
     return rows
 
 
-def ranks_bench(name: str, overrides: list[str], tmp: Path, ranks: int, every: int, steps: int) -> list[dict]:
+def ranks_bench(name: str, overrides: list[str], tmp: Path, ranks: int, every: int, steps: int,
+                writer: str) -> list[dict]:
     """`mantra run` on `ranks` ranks (dp, zero2), synchronous then asynchronous saves every `every` steps,
-    read back from metrics.jsonl. lost_s: the mean ckpt_stall_s of the save steps after the first; total_s:
+    read back from metrics.jsonl. lost_s: the mean ckpt_stall_s of the save steps after the first (async: with
+    the next step's, which holds its wait for the staging copy); total_s:
     the synchronous stall, or the asynchronous stall plus the write's ckpt_write_s (logged at the next save);
     overlapped: the steps after a save until its write ends (their step_time_s adding up to it); plain: the
     steps before the first save but the first."""
@@ -175,6 +188,7 @@ def ranks_bench(name: str, overrides: list[str], tmp: Path, ranks: int, every: i
         sets = [*overrides, f"data.path={ROOT}/manifests/data/python-docs.txt", f"logging.dir={run_dir}",
                 "logging.every=1", "logging.sinks=[jsonl]", f"train.steps={steps}", f"checkpoint.every={every}",
                 f"train.global_batch={ranks}", f"checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+                f"checkpoint.async_writer={writer}",
                 "parallel.optimizer_sharding=zero2"]
         cmd = [sys.executable, "-m", "launchers.cli", "run", str(ROOT / "manifests/tiny-cpu.yaml"), "--nproc", str(ranks)]
         subprocess.run(cmd + [arg for s in sets for arg in ("--set", s)], cwd=ROOT, check=True, capture_output=True)
@@ -190,10 +204,14 @@ def ranks_bench(name: str, overrides: list[str], tmp: Path, ranks: int, every: i
                 overlapped.append(got[later]["step_time_s"])
                 left -= got[later]["step_time_s"]
         steady = saves[1:] or saves
+
+        def lost(s: int) -> float:  # the save step's stall, and the next step's wait for the staging copy
+            return got[s]["ckpt_stall_s"] + (got[s + 1]["ckpt_stall_s"] if mode == "async" else 0.0)
         rows.append({"bench": "checkpoint", "model": name, "ranks": ranks, "layout": f"dp{ranks} zero2", "mode": mode,
-                     "saves": len(saves), "lost_s": _mean([got[s]["ckpt_stall_s"] for s in steady]),
-                     "first_lost_s": round(got[saves[0]]["ckpt_stall_s"], 3),
-                     "total_s": _mean([got[s]["ckpt_stall_s"] + writes[s] for s in steady]),
+                     "writer": writer if mode == "async" else None,
+                     "saves": len(saves), "lost_s": _mean([lost(s) for s in steady]),
+                     "first_lost_s": round(lost(saves[0]), 3),
+                     "total_s": _mean([lost(s) + writes[s] for s in steady]),
                      "train_step_s": _mean([got[s]["step_time_s"] for s in range(2, every)]),
                      "overlapped_steps": len(overlapped), "overlapped_step_s": _mean(overlapped)})
     sync_row, async_row = rows
@@ -209,16 +227,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model alone, a 16 MiB checksum buffer")
     parser.add_argument("--saves", type=int, default=3, help="saves per mode (the first also allocates staging)")
-    parser.add_argument("--steps", type=int, default=4, help="steps without saves: the reference step time")
+    parser.add_argument("--steps", type=int, default=8, help="steps without saves: the reference step time")
     parser.add_argument("--ranks", type=int, default=0, help="instead: llama-100M under `mantra run` on N ranks, "
                         "dp zero2, saving every --every steps for --run-steps steps, sync then async")
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--run-steps", type=int, default=12)
+    parser.add_argument("--writer", choices=["process", "thread"], default="process", help="checkpoint.async_writer")
     args = parser.parse_args()
     quick = args.quick
     if args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            for row in ranks_bench("llama-100M", SHAPES["llama-100M"], Path(tmp), args.ranks, args.every, args.run_steps):
+            for row in ranks_bench("llama-100M", SHAPES["llama-100M"], Path(tmp), args.ranks, args.every, args.run_steps,
+                                   args.writer):
                 print(json.dumps(row), flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +247,7 @@ def main() -> None:
         shapes = {"tiny-3M": ["train.micro_batch=1", "train.global_batch=1"]} if quick else SHAPES  # seconds a step
         for name, overrides in shapes.items():
             for row in bench(name, overrides, Path(tmp), rates["file_stream_GBps"], 2 if quick else args.saves,
-                             1 if quick else args.steps):
+                             1 if quick else args.steps, args.writer):
                 print(json.dumps(row), flush=True)
 
 

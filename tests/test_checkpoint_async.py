@@ -25,16 +25,18 @@ from test_checkpoint import last_per_step, mantra_run, rank_pids, start, wait_fo
 ASYNC = {"checkpoint": {"async_save": True}}
 
 
-def test_a_nonfinite_state_is_refused_by_the_background_check(tmp_path):
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_nonfinite_state_is_refused_by_the_background_check(tmp_path, writer):
     from checkpoint_attack import build_local
     from trainer.checkpoint.checkpointer import Checkpointer, NonFiniteCheckpoint
 
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(tiny_config("local", tmp_path / "local", steps=4)))
     model, sync, schedule, loader = build_local(path)
-    ckpt = Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu"))
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=3, rank=0, world_size=1, device=torch.device("cpu"), writer=writer)
     ckpt.save(1, sync, model, schedule, loader, asynchronous=True)
     buffers = list(ckpt.staging.buffers.values())
+    ckpt.settle()  # what the step does before it changes the state: step 1's staging copy is done
     with torch.no_grad():
         model.layers["1"].feed_forward.w2.weight[0, 0] = float("nan")
     ckpt.save(2, sync, model, schedule, loader, asynchronous=True)  # the previous write commits first
@@ -43,6 +45,7 @@ def test_a_nonfinite_state_is_refused_by_the_background_check(tmp_path):
         ckpt.wait()
     assert not (tmp_path / "ckpt/step-00000002").exists()
     assert (tmp_path / "ckpt/latest").read_text().strip() == "step-00000001"
+    ckpt.close()
 
 
 @pytest.mark.slow

@@ -24,4 +24,8 @@ def test_async_save_staging_is_host_memory_the_size_of_a_ranks_saved_state(shard
     setups = _memory(staged, get_device("h100"))[1]
     assert after.host_staging == max(states(s)["params"] + states(s)["optimizer"] for s in setups) > 0
     assert after.to_json()["memory"]["host_staging_bytes"] == int(after.host_staging)
-    assert any("pinned host memory, nothing on the device" in n for n in after.notes)
+    assert any("in shared, pinned host memory, and a writer process per rank of about 0.25 GiB: nothing on "
+               "the device" in n for n in after.notes)
+    thread, _ = load_manifest(ROOT / "manifests/llama3-8b.yaml", sets + ["checkpoint.async_save=true",
+                                                                         "checkpoint.async_writer=thread"])
+    assert any("in pinned host memory: nothing on the device" in n for n in estimate(thread, "h100").notes)

@@ -221,7 +221,8 @@ def build_saves(run: Resolved, info: RankInfo, device: torch.device, training: T
     manifest_text = dump_manifest(m)
     ckpt = Checkpointer(run.checkpoint_dir, c.keep, info.rank, info.world_size, device, verify=c.verify,
                         model=training.model, sync=training.sync, every=c.every, final=c.final,
-                        asynchronous=c.async_save, carried=carried_files(m.data) if info.is_rank0 else None)
+                        asynchronous=c.async_save, carried=carried_files(m.data) if info.is_rank0 else None,
+                        writer=c.async_writer)
     return Saves(ckpt, TrainState(training.model, training.sync, training.lr_schedule, loader), manifest_text, watchdog)
 
 
@@ -261,21 +262,23 @@ def build_post_validation(run: Resolved, sync: GradSync, mesh, guard: NonFiniteG
 
 
 def build_stepper(run: Resolved, device: torch.device, training: Training, preempt: PreemptionFlag,
-                  guard: NonFiniteGuard, rollbacks: int = 0) -> Stepper:
+                  guard: NonFiniteGuard, rollbacks: int = 0, before_update: Callable[[], None] = lambda: None) -> Stepper:
     """Post-validated steps when the pipeline overlaps them (parallel.post_validation), synchronous ones
-    otherwise: through the pipeline's schedule, or train_step over the whole model."""
+    otherwise: through the pipeline's schedule, or train_step over the whole model. `before_update`: called
+    before each step changes the state (Saves.before_update)."""
     m, t = run.manifest, training
     after_step = kind_after_step(run, training)
     if t.pipeline is not None and t.pipeline.post_validation:  # each step's update applied at once, checked during the next
         post = build_post_validation(run, t.sync, t.mesh, guard, rollbacks)
-        return PostValidatedStep(t.pipeline, post, t.autocast, t.cp, preempt, after_step)
+        return PostValidatedStep(t.pipeline, post, t.autocast, t.cp, preempt, after_step, before_update)
     if t.pipeline is not None:  # the schedule's actions over the pipeline ranks; cp: each stage gets this rank's slice
         def forward_backward(microbatches) -> torch.Tensor:
             return t.pipeline.step(microbatches, t.autocast, t.cp)
     else:
         forward_backward = model_forward_backward(t.model, t.sync, device, t.autocast, m.parallel.tp, run.grad_accum,
                                                   t.cp, head_loss(run))
-    return SynchronousStep(forward_backward, t.sync, m.optimizer.grad_clip or float("inf"), preempt, guard, after_step)
+    return SynchronousStep(forward_backward, t.sync, m.optimizer.grad_clip or float("inf"), preempt, guard, after_step,
+                           before_update)
 
 
 def kind_after_step(run: Resolved, training: Training) -> Callable[[bool], None]:

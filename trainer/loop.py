@@ -96,7 +96,8 @@ def _train(run: Resolved, info: RankInfo, device: torch.device, on_finish, watch
     try:
         with _nonfinite_recorded(status, saves), \
                 build_run_sinks(run, info.is_rank0, device, resumed.step if resumed else None) as sinks:
-            stepper = build_stepper(run, device, training, preempt, guard, carried.get("rollbacks", 0))
+            stepper = build_stepper(run, device, training, preempt, guard, carried.get("rollbacks", 0),
+                                    saves.before_update)
             rows = MetricRows(sinks, meter, validation, guard, memory, kind_metrics(run, training), watchdog,
                               loader.tokens_with_loss, saves.metrics)
             for step in range(first, m.train.steps + 1):

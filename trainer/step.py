@@ -108,14 +108,17 @@ class SynchronousStep:
     model kind's)."""
 
     def __init__(self, forward_backward: Callable[[Sequence], torch.Tensor], sync: GradSync, max_norm: float,
-                 preempt: PreemptionFlag, guard: NonFiniteGuard, after_step: Callable[[bool], None]) -> None:
+                 preempt: PreemptionFlag, guard: NonFiniteGuard, after_step: Callable[[bool], None],
+                 before_update: Callable[[], None] = lambda: None) -> None:
         """`forward_backward`: microbatches -> the mean loss, on every rank (the pipeline's schedule broadcasts
-        it); `max_norm`: optimizer.grad_clip (inf: none)."""
+        it); `max_norm`: optimizer.grad_clip (inf: none); `before_update`: called before the state changes
+        (a checkpoint's staging copy may still be reading it: Saves.before_update)."""
         self.forward_backward, self.sync, self.max_norm = forward_backward, sync, max_norm
-        self.preempt, self.guard, self.after_step = preempt, guard, after_step
+        self.preempt, self.guard, self.after_step, self.before_update = preempt, guard, after_step, before_update
 
     def run(self, step: int, microbatches: list, final: bool) -> list[StepOutcome]:
-        loss = self.forward_backward(microbatches)
+        loss = self.forward_backward(microbatches)  # reads the parameters, changes none of the saved state
+        self.before_update()
         grad_norm = self.sync.clip_grad_norm_(self.max_norm)
         lr = self.sync.optimizer.param_groups[0]["lr"]
         loss_f, norm_f = loss.item(), grad_norm.item()  # the step timer syncs the device anyway
@@ -140,11 +143,12 @@ class PostValidatedStep:
     (the model kind's, before the next step's forwards: kinds that need it refuse post_validation)."""
 
     def __init__(self, pipeline, post: PostValidation, autocast, cp: ContextShard | None, preempt: PreemptionFlag,
-                 after_step: Callable[[bool], None]) -> None:
+                 after_step: Callable[[bool], None], before_update: Callable[[], None] = lambda: None) -> None:
         self.pipeline, self.post, self.autocast, self.cp = pipeline, post, autocast, cp
-        self.preempt, self.after_step = preempt, after_step
+        self.preempt, self.after_step, self.before_update = preempt, after_step, before_update
 
     def run(self, step: int, microbatches: list, final: bool) -> list[StepOutcome]:
+        self.before_update()  # the update is applied during the step, at its validation point
         post = self.post  # the previous step is validated at this one's validation point
         loss = self.pipeline.step(microbatches, self.autocast, self.cp, post.validate if post.pending else None)
         post.launch(step, loss, self.preempt.code())

@@ -3,6 +3,11 @@
     checkpointer.py   the Checkpointer: save (sync or async), atomic commit, keep-N, resume with fallback
     resume.py         which checkpoint to resume from, and reading one on this rank as hostile
     storage.py        DCP storage of our own: raw tensor chunks, checksummed as written, verified as read
+    shard_file.py     one shard written past the page cache (O_DIRECT) where the filesystem allows
+    staging.py        the host copies an async save writes from (a shared memfd arena for a writer process)
+    background.py     an async save's write and commit, off the training thread
+    writer_process.py the byte work of an async save in a process at nice 19 (checkpoint.async_writer)
+    finite.py         whether a state holds NaN or inf (never committed)
     dcp_metadata.py   DCP's metadata as our JSON (metadata.json), bounded and checked when read back
     values.py         the optimizer's plain values (lr, betas, ...) as small tensors, so DCP sees tensors only
     trainer_state.py  trainer.json (step, LR schedule, data position, counters) and RNG states (safetensors)

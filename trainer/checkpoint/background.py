@@ -1,4 +1,4 @@
-"""A checkpoint written by a background thread from staged host copies, committed by that thread.
+"""A checkpoint written in the background from staged host copies, committed by a background thread.
 
     training thread                              background thread (one save at a time)
     ---------------                              ---------------------------------------
@@ -8,17 +8,22 @@
     return to training                           DCP plan + raw chunks, hashed as written (storage.py)
                                                  rank 0: COMMITTED with every checksum, then `latest`, prune
 
-The thread's heavy work releases the GIL: the finite check (one sum per tensor) runs in torch's kernels,
-file writes and xxh3 in C. DCP's planning and the metadata are Python, under the GIL. The thread keeps
-the process's CPU priority: at nice 19 it was preempted while holding the GIL, and the training thread
-waited on it (bench/results/checkpoint-2026-12-04.jsonl). Its collectives (the NaN vote, DCP's plan
-gathers, the barrier before the step directory is used) run on a gloo group of their own, so they never
-interleave with training's. The thread is a daemon: a rank that dies mid-write leaves a step
-directory without COMMITTED, which resume skips.
+checkpoint.async_writer picks who does the byte work (the finite check's sums, copying, hashing and
+writing the shard): `process`, a writer process at nice 19 reading the staging arena
+(trainer/checkpoint/writer_process.py), the thread only planning, waiting and committing; or `thread`,
+this thread itself. The thread keeps the process's CPU priority: at nice 19 it was preempted while
+holding the GIL, and the training thread waited on it (bench/results/checkpoint-2026-12-04.jsonl).
+
+A writer process that dies mid-write (WriterDied on any rank: DCP reports every rank's failure to every
+rank) is started again and the step written again, once; a second death fails the save, nothing
+committed. The thread's collectives (the NaN vote, DCP's plan gathers, the barrier before the step
+directory is used) run on a gloo group of their own, so they never interleave with training's. The thread
+is a daemon: a rank that dies mid-write leaves a step directory without COMMITTED, which resume skips.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -32,8 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.finite import first_nonfinite, floating_tensors
 from trainer.checkpoint.storage import ChecksummingWriter
 from trainer.checkpoint.trainer_state import write_file
+from trainer.checkpoint.writer_process import WriterDied, WriterProcess
+
+log = logging.getLogger(__name__)
 
 # tests only (tests/test_checkpoint_async.py), never set by mantra itself. WAIT_FOR_LOOP_ENV=1: each write
 # starts its DCP write only once the loop waits for it (the next save or the end), then sleeps SLOW_WRITE_ENV
@@ -54,6 +63,8 @@ class WriteJob:
     rank: int
     staged: dict
     files: dict[str, bytes]
+    writer: WriterProcess | None = None  # checkpoint.async_writer: process
+    settle: Callable[[], float] = lambda: 0.0  # waits for the staging copy (it may still run: staging.py)
     waited_for: threading.Event = field(default_factory=threading.Event)  # set when the loop waits for the write
 
 
@@ -68,13 +79,14 @@ class Pending:
     waited_for: threading.Event
 
 
-def start_write(job: WriteJob, group, check: Callable, commit: Callable[[int, Path], None]) -> Future:
+def start_write(job: WriteJob, group, nonfinite: Callable[[int, str | None], Exception],
+                commit: Callable[[int, Path], None]) -> Future:
     """Run `write(job, ...)` on a daemon thread; the future holds its duration in seconds or its error."""
     future: Future = Future()
 
     def run() -> None:
         try:
-            future.set_result(write(job, group, check, commit))
+            future.set_result(write(job, group, nonfinite, commit))
         except BaseException as exc:  # CheckpointException is a BaseException; the training thread re-raises it
             future.set_exception(exc)
 
@@ -87,11 +99,13 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
-def write(job: WriteJob, group, check: Callable, commit: Callable[[int, Path], None]) -> float:
-    """Check, write and (rank 0) commit one staged checkpoint; the seconds it took. `check(step, staged, group)`
-    raises when the state must not be saved (NaN or inf on any rank) before anything is written."""
+def write(job: WriteJob, group, nonfinite: Callable[[int, str | None], Exception],
+          commit: Callable[[int, Path], None]) -> float:
+    """Check, write and (rank 0) commit one staged checkpoint; the seconds it took. A state holding NaN or
+    inf on any rank raises `nonfinite(step, key or None)` on every rank before anything is written."""
     start = time.perf_counter()
-    check(job.step, job.staged, group)
+    job.settle()
+    check(job, group, nonfinite)
     if job.rank == 0:
         job.root.mkdir(parents=True, exist_ok=True)
         if job.target.exists():  # a half-written save of the same step from an earlier life
@@ -102,17 +116,67 @@ def write(job: WriteJob, group, check: Callable, commit: Callable[[int, Path], N
     if os.environ.get(WAIT_FOR_LOOP_ENV) == "1":
         job.waited_for.wait()
         time.sleep(float(os.environ.get(SLOW_WRITE_ENV) or 0))
-    dcp.save(job.staged, storage_writer=ChecksummingWriter(job.target, job.rank, own), process_group=group)
+    for attempt in (1, 2):
+        try:
+            dcp.save(job.staged, storage_writer=ChecksummingWriter(job.target, job.rank, own, job.writer),
+                     process_group=group)
+            break
+        except BaseException as exc:
+            died = writer_died(exc)
+            if job.writer is None or died is None or attempt == 2:
+                raise
+            log.warning("checkpoint step %d: %s; writing the step again with a new writer process", job.step, died)
+            if not job.writer.alive:
+                try:
+                    job.writer.restart()
+                except OSError as exc:  # the second attempt fails on this rank, and DCP tells every rank
+                    log.error("checkpoint step %d: the writer process could not be started again: %s", job.step, exc)
     if job.rank == 0 and os.environ.get(HOLD_COMMIT_ENV) == str(job.step):
         threading.Event().wait()
     commit(job.step, job.target)  # rank 0: DCP's coordinator returned, so every rank's shards are on disk
     return time.perf_counter() - start
 
 
-def cpu_vote(ok: bool, group) -> bool:
-    """Whether `ok` holds on every rank of `group` (a CPU tensor: the background group is gloo)."""
+def check(job: WriteJob, group, nonfinite: Callable[[int, str | None], Exception]) -> None:
+    """The NaN/inf check of the staged state, by the writer process when there is one (started again once
+    if it died); every rank raises alike: `nonfinite(...)`, or the error that stopped the check on a rank."""
+    bad, failed = None, None
+    try:
+        try:
+            bad = _first_nonfinite(job)
+        except WriterDied:
+            job.writer.restart()
+            bad = _first_nonfinite(job)
+    except Exception as exc:  # every rank must reach the vote, whatever happened here
+        failed = exc
+    worst = cpu_max(2 if failed else 1 if bad else 0, group)
+    if worst == 2:
+        raise failed or RuntimeError(f"checkpoint step {job.step}: the check failed on another rank")
+    if worst == 1:
+        raise nonfinite(job.step, bad)
+
+
+def _first_nonfinite(job: WriteJob) -> str | None:
+    if job.writer is None:
+        return first_nonfinite(job.staged)
+    return job.writer.finite(floating_tensors(job.staged))
+
+
+def writer_died(exc: BaseException) -> WriterDied | None:
+    """The WriterDied behind `exc`: itself, or one of the failures DCP gathered from every rank."""
+    if isinstance(exc, WriterDied):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():  # a CheckpointException: {rank: (exception, traceback)}
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, WriterDied):
+            return cause
+    return None
+
+
+def cpu_max(code: int, group) -> int:
+    """The largest `code` over the ranks of `group` (a CPU tensor: the background group is gloo)."""
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([0 if ok else 1])
+        return code
+    flag = torch.tensor([code])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag.item() == 0
+    return int(flag.item())

@@ -37,7 +37,9 @@ Every file of a checkpoint is treated as hostile, and none is a pickle:
 
 Asynchronous saves (checkpoint.async_save): `save` copies the state into reused host buffers
 (trainer/checkpoint/staging.py) and returns; a background thread checks it for NaN/inf, writes it and
-commits it (trainer/checkpoint/background.py). The next save, a stop and the last step wait for it first.
+commits it (trainer/checkpoint/background.py), the byte work done by a writer process at nice 19 under
+checkpoint.async_writer: process (trainer/checkpoint/writer_process.py). The next save, a stop and the
+last step wait for it first.
 
 A directory without COMMITTED (a save killed half-way) is skipped with a
 warning; one that fails to load (a corrupted, refused or unverifiable file) is
@@ -68,8 +70,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from trainer.checkpoint.background import Pending, WriteJob, cpu_vote, start_write
+from trainer.checkpoint.background import Pending, WriteJob, start_write, writer_died
 from trainer.checkpoint.dcp_metadata import METADATA
+from trainer.checkpoint.finite import first_nonfinite
 from trainer.checkpoint.integrity import (
     COMMITTED,
     checksum_file,
@@ -82,10 +85,11 @@ from trainer.checkpoint.paths import LATEST, committed_steps, step_dir
 from trainer.checkpoint.preflight import check_space, check_writable, estimate_bytes, is_out_of_space, space_error
 from trainer.checkpoint.prune import Pruner
 from trainer.checkpoint.resume import one_line, read_checkpoint, resume_candidates
-from trainer.checkpoint.staging import Staging
+from trainer.checkpoint.staging import Staging, shared_staging_supported
 from trainer.checkpoint.storage import ChecksummingWriter
 from trainer.checkpoint.trainer_state import TRAINER, rng_bytes, rng_file, set_rng_state, trainer_bytes, write_file
 from trainer.checkpoint.values import as_tensors
+from trainer.checkpoint.writer_process import WriterDied, WriterProcess
 from trainer.optim import settle_kernels
 from trainer.run.state_files import replace_state
 
@@ -135,45 +139,6 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
     return flag.item() == 0
 
 
-def first_nonfinite(state) -> str | None:
-    """The key of the first floating tensor (this rank's shard) holding NaN or inf, else None; one sync.
-
-    One pass over each tensor, nothing allocated: a sum is finite only if every element is (NaN and inf
-    propagate; low precision sums in float32). Only a tensor whose sum is not finite is checked element by
-    element, as a sum of large finite values can overflow: that tensor is the answer only if it holds one."""
-    names, tensors = [], []
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}.{i}", item)
-        elif isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-            names.append(prefix)
-            tensors.append(value.to_local() if hasattr(value, "to_local") else value)  # a DTensor: this rank's shard
-
-    walk("", state)
-    if not tensors:
-        return None
-    sums = torch.stack([torch.isfinite(_wide_sum(t)) for t in tensors])
-    if bool(sums.all()):
-        return None
-    for i in (~sums).nonzero().flatten().tolist():
-        exact = tensors[i] if tensors[i].dtype.itemsize > 1 else tensors[i].float()  # float8: no isfinite
-        if not bool(torch.isfinite(exact).all()):
-            return names[i]
-    return None
-
-
-def _wide_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of `tensor`, accumulated in float32 at least (a half-precision sum overflows early)."""
-    if tensor.dtype in (torch.float16, torch.bfloat16) or tensor.dtype.itemsize == 1:
-        return tensor.sum(dtype=torch.float32)
-    return tensor.sum()
-
-
 @dataclass
 class Resumed:
     step: int
@@ -191,10 +156,13 @@ class Checkpointer:
 
     def __init__(self, root: Path, keep: int, rank: int, world_size: int, device: torch.device,
                  verify="full", model: torch.nn.Module | None = None, sync=None, every: int = 0,
-                 final: bool = True, asynchronous: bool = False, carried: dict[str, bytes] | None = None):
+                 final: bool = True, asynchronous: bool = False, carried: dict[str, bytes] | None = None,
+                 writer: str = "process"):
         """`every`, `final`, `asynchronous`: the cadence `due` and `maybe_save` follow (checkpoint.every,
-        checkpoint.final, checkpoint.async_save). `carried`: files rank 0 writes into every step directory
-        (the run's tokenizer.json), checksummed in COMMITTED like the rest."""
+        checkpoint.final, checkpoint.async_save). `writer`: who writes a background save's bytes
+        (checkpoint.async_writer: "process" or "thread", trainer/checkpoint/background.py). `carried`: files
+        rank 0 writes into every step directory (the run's tokenizer.json), checksummed in COMMITTED like the
+        rest."""
         self.carried = dict(carried or {})
         self.root = Path(root)
         self.every, self.final, self.asynchronous = every, final, asynchronous
@@ -207,7 +175,11 @@ class Checkpointer:
         self.need_bytes: int | None = None
         self._pending: Pending | None = None  # a background save in flight
         self._async_group = None
-        self.staging = Staging(pin=device.type == "cuda")  # reused by every background save
+        self.writer = WriterProcess() if str(getattr(writer, "value", writer)) == "process" else None
+        if self.writer is not None and not shared_staging_supported():
+            log.warning("checkpoint.async_writer: process needs memfds (Linux); this rank writes from a thread")
+            self.writer = None
+        self.staging = Staging(pin=device.type == "cuda", shared=self.writer is not None)
         self.write_s: float | None = None  # how long the last background save took to write and commit
         if world_size == 1:
             quiet_single_process_warnings()
@@ -290,22 +262,29 @@ class Checkpointer:
                             counters) -> Path:
         """Stage the state and this rank's small files, hand them to a background write; the step's directory."""
         start = time.perf_counter()
-        staged = self.staging.stage(as_tensors(sync.state_dict(model)))
+        staged = self.staging.stage(as_tensors(sync.state_dict(model)), defer=True)  # see `settle`
+        if self.writer is not None:
+            try:
+                self.writer.share(self.staging.arena)  # started here, by the training thread, on the first save
+            except (OSError, WriterDied) as exc:  # this rank goes on with the thread writer (the others need not)
+                log.warning("checkpoint writer process unusable (%s); this rank writes from a thread", exc)
+                self.writer.close()
+                self.writer = None
         target = step_dir(self.root, step)
         job = WriteJob(step, self.root, target, self.rank, staged,
-                       self._small_files(step, lr_schedule, loader, manifest_text, counters))
+                       self._small_files(step, lr_schedule, loader, manifest_text, counters), writer=self.writer,
+                       settle=self.staging.settle)
         if self._async_group is None and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")  # the background's collectives, apart from training's
-        future = start_write(job, self._async_group, self._check_staged, self._commit)
+        future = start_write(job, self._async_group, self._nonfinite, self._commit)
         self._pending = Pending(step, target, future, start, job.waited_for)
         log.info("checkpoint step %d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
         return target
 
-    def _check_staged(self, step: int, staged, group) -> None:
-        """The background's NaN/inf check of the staged copy: every rank refuses alike, nothing written."""
-        bad = first_nonfinite(staged)
-        if not cpu_vote(bad is None, group):
-            raise self._nonfinite(step, bad)
+    def settle(self) -> float:
+        """Before anything changes the saved state (the optimizer step): the staging copy of a background save
+        done, which on a CPU runs while training goes on (trainer/checkpoint/staging.py); the seconds waited."""
+        return self.staging.settle()
 
     @property
     def writing(self) -> bool:
@@ -341,9 +320,20 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:
             if is_out_of_space(exc):
                 raise space_error(self.root, pending.step, self._need()) from None
+            if (died := writer_died(exc)) is not None:
+                raise WriterDied(f"checkpoint step {pending.step} not committed: {died}, also when written "
+                                 f"again ({self.root / LATEST} stays at the last committed step)") from None
             raise
         log.info("checkpoint step %d written to %s %.2f s after it started (%.2f s in the background)",
                  pending.step, pending.target, time.perf_counter() - pending.start, self.write_s)
+
+    def close(self) -> None:
+        """Wait for a save in flight, then end the writer process (if any)."""
+        try:
+            self.wait()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
 
     def _need(self) -> int | None:
         """The bytes a checkpoint needs: the preflight estimate, else the newest committed one's size."""

@@ -9,8 +9,9 @@
     saves.finish(steps)                      # the last background save committed
     saves.metrics()                          # ckpt_stall_s (this step's wait for a save), ckpt_write_s
 
-Under checkpoint.async_save a save stalls the loop only for its staging copy, and for the previous
-write when that is still in flight (trainer/checkpoint/background.py).
+Under checkpoint.async_save a save stalls the loop only for its staging copy (on a CPU, only for what of
+it is left when the next step's update is due: `before_update`), and for the previous write when that is
+still in flight (trainer/checkpoint/background.py).
 
 Every save beats the hang watchdog first (trainer/run/watchdog.py): a save may take longer than a step.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint.checkpointer import TOKENIZER, Checkpointer, Resumed
+from trainer.checkpoint.checkpointer import Checkpointer, Resumed
 from trainer.data.hf_tokenizer_files import read_tokenizer_files
 from trainer.data.tokens import DataError
 from trainer.init.hf_dir import HFDirError
@@ -48,6 +49,7 @@ class Saves:
     def __init__(self, ckpt: Checkpointer, state: TrainState, manifest_text: str, watchdog) -> None:
         self.ckpt, self.state, self.manifest_text, self.watchdog = ckpt, state, manifest_text, watchdog
         self.stall_s = 0.0  # what the last save_if_due cost the loop
+        self.settled_s = 0.0  # what this step waited for a staging copy before its update
 
     def resume(self, resume_from: str | None) -> Resumed | None:
         s = self.state
@@ -64,7 +66,13 @@ class Saves:
             self.watchdog.beat(step, "checkpoint save")
         self.ckpt.maybe_save(step, last, s.sync, s.model, s.lr_schedule, s.loader, self.manifest_text, counters)
         self.ckpt.poll()
-        self.stall_s = time.perf_counter() - start
+        self.stall_s = time.perf_counter() - start + self.settled_s
+        self.settled_s = 0.0
+
+    def before_update(self) -> None:
+        """The step calls this before the optimizer changes the saved state: a background save's staging copy,
+        which runs while the step's forward and backward do, is done (its wait counts in ckpt_stall_s)."""
+        self.settled_s += self.ckpt.settle()
 
     def metrics(self) -> dict[str, float | None]:
         """ckpt_stall_s: the seconds the loop waited for a save this step (the staging copy, the previous
@@ -81,9 +89,9 @@ class Saves:
         self.ckpt.wait()
 
     def finish(self, steps: int) -> None:
-        """After the last step: its background save, if any, written and committed."""
+        """After the last step: its background save, if any, written and committed; the writer ended."""
         self.watchdog.beat(steps, "last checkpoint save")
-        self.ckpt.wait()
+        self.ckpt.close()
 
     def wait(self) -> None:
         """A save in flight committed (it holds an earlier state than the failure that calls this)."""

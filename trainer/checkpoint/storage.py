@@ -8,7 +8,8 @@
 
 Writing (`ChecksummingWriter`, a FileSystemWriter for its staging and directory handling): each chunk
 DCP plans for this rank is written as the raw bytes of a C-contiguous tensor, appended to one file
-per rank and hashed as it is written, so the rank's `.checksums-rank<R>.json` (merged into COMMITTED
+per rank (past the page cache where the filesystem allows, trainer/checkpoint/shard_file.py) and hashed
+as it is written, so the rank's `.checksums-rank<R>.json` (merged into COMMITTED
 by rank 0, trainer/checkpoint/checkpointer.py) costs no second read. An item that is not a tensor is
 refused: the state handed to DCP holds tensors only (trainer/checkpoint/values.py). `finish` writes
 metadata.json where DCP would pickle `.metadata`.
@@ -41,13 +42,14 @@ from trainer.checkpoint.integrity import (
     ALGORITHM,
     IntegrityError,
     Marker,
-    new_hasher,
     open_regular,
     read_verified,
     regular_file,
     verify_file,
     write_rank_checksums,
 )
+from trainer.checkpoint.shard_file import write_shard
+
 
 LEGACY_METADATA = ".metadata"  # DCP's pickled metadata: what mantra wrote before metadata.json
 
@@ -191,33 +193,36 @@ class ChecksummingWriter(dcp.FileSystemWriter):
     metadata.json. `own_files`: the other files this rank wrote ({name: (size, checksum)}), for its
     checksums file."""
 
-    def __init__(self, path: str | os.PathLike, rank: int, own_files: dict[str, tuple[int, str]]):
+    def __init__(self, path: str | os.PathLike, rank: int, own_files: dict[str, tuple[int, str]], writer=None):
         super().__init__(path)
         self.step_dir = Path(path)
         self.writer_rank = rank
         self.own_files = dict(own_files)
+        self.writer = writer  # a WriterProcess (trainer/checkpoint/writer_process.py) writes the shard, else this thread
 
     def prepare_global_plan(self, plans):
         return [replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
     def write_data(self, plan, planner) -> Future:
         name = f"{plan.storage_data}0.distcp"
-        results, hasher = [], new_hasher(ALGORITHM)
-        with open(self.step_dir / name, "wb") as f:
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    raise TypeError(f"checkpoint item {item.index.fqn!r} is not a tensor; mantra saves tensors only")
-                tensor = planner.resolve_data(item).detach().to("cpu").contiguous()
-                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                offset = f.tell()
-                f.write(data)
-                hasher.update(data)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data),
-                                           storage_data=StoredChunk(name, offset, len(data))))
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        write_rank_checksums(self.step_dir, self.writer_rank, self.own_files | {name: (size, hasher.hexdigest())})
+        tensors = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise TypeError(f"checkpoint item {item.index.fqn!r} is not a tensor; mantra saves tensors only")
+            tensors.append(planner.resolve_data(item).detach())
+        if self.writer is not None:
+            size, checksum = self.writer.write_shard(self.step_dir / name, tensors, ALGORITHM)
+        else:
+            size, checksum = write_shard(self.step_dir / name, tensors, ALGORITHM)
+        results, offset = [], 0
+        for item, tensor in zip(plan.items, tensors):  # the chunks lie back to back, in plan order
+            nbytes = tensor.numel() * tensor.element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                       storage_data=StoredChunk(name, offset, nbytes)))
+            offset += nbytes
+        if offset != size:
+            raise OSError(f"{self.step_dir / name}: {size} bytes written where the chunks need {offset}")
+        write_rank_checksums(self.step_dir, self.writer_rank, self.own_files | {name: (size, checksum)})
         done: Future = Future()
         done.set_result(results)
         return done

@@ -86,6 +86,11 @@ class Verify(str, enum.Enum):
     off = "off"
 
 
+class AsyncWriter(str, enum.Enum):
+    process = "process"  # a writer process at nice 19 does the byte work (trainer/checkpoint/writer_process.py)
+    thread = "thread"  # the rank's background thread does it
+
+
 class TokenDtype(str, enum.Enum):
     uint16 = "uint16"
     uint32 = "uint32"

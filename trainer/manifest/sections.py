@@ -6,11 +6,9 @@ ModelSection here. Unknown keys are errors (extra="forbid"); closed choices are 
 nothing here mutates a value. Every whole number has an upper bound (MAX_* below, `maximum` in
 `mantra schema`) and every float must be finite, so no manifest can make `validate` or `plan` run for long.
 
-ManifestSections is the whole manifest with its `model` section typed by the common base; schema.Manifest
-(the class manifests are validated with) derives from it and picks the `model:` section's class by kind
-from the model registry. Derived values (the inferred dp degree, the microbatch count, the world size)
-come from `resolve.py`.
-
+ManifestSections is the whole manifest with its `model` section typed by the common base; schema.Manifest (the
+class manifests are validated with) derives from it and picks the `model:` section's class by kind from the model
+registry. Derived values (the inferred dp degree, the microbatch count, the world size) come from `resolve.py`.
 The key names are a contract other tools rely on: add keys, never rename.
 """
 
@@ -22,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainer.manifest.choices import (
+    AsyncWriter,
     CpKind,
     DataSource,
     Decay,
@@ -299,6 +298,7 @@ class CheckpointSection(Section):
     keep: PositiveInt = Field(3, description="committed checkpoints to keep", le=MAX_KEEP)
     final: bool = Field(True, description="save the last step's state when the run completes (export needs one)")
     async_save: bool = Field(False, description="write checkpoints in the background; training waits only for staging")
+    async_writer: AsyncWriter = Field(AsyncWriter.process, description="who writes an async save: process (nice 19) or thread")
     resume_from: str | None = Field(
         None, description="a step number or a checkpoint directory; default: the latest committed checkpoint, if any"
     )

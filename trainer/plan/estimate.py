@@ -312,7 +312,7 @@ def assemble(run: Resolved, device: Device, rows: tuple[RankRow, ...], setups: t
         if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
             split = replace(split, balanced=_balanced(run, device, capacity_gib, calib, timing.step_s))
     staging = host_staging_bytes(m.checkpoint.async_save, setups)
-    notes = (*_notes(run, device, timing, counted, calib), *host_notes(staging, device.is_gpu))
+    notes = (*_notes(run, device, timing, counted, calib), *host_notes(staging, device.is_gpu, m.checkpoint.async_writer.value))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
                     usable_bytes(device, capacity_gib), timing, coeffs, notes, split, counted, calib, staging)
 

@@ -51,7 +51,7 @@ def _assemble(sync, part, key: str) -> dict[int, torch.Tensor]:
         if part.groups.shard is not None:
             dist.all_reduce(full, group=part.groups.shard)  # exact: every element is non-zero on one rank at most
         for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-            out[i] = full[off:off + n].view_as(r.locals[i]).clone()
+            out[i] = full[off:off + n].view_as(r.locals[i])  # views of this save's own buffer: no second copy
     return out
 
 
