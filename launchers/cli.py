@@ -77,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from launchers.local import run_local
     from launchers.rundir import RunDirError, claim_run_dir
     from trainer.checkpoint.preflight import CheckpointDirError, check_writable
-    from trainer.data.loader import DataError
+    from trainer.run.failure import USAGE, kind_of
     from trainer.run.status import RunStatus
 
     run = _load(args)
@@ -98,7 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             RunStatus(run.run_dir, True).write("failed", None, str(exc))
             raise
         return run_local(run, again=again_command(args), verbose=args.verbose)
-    except (DataError, CheckpointDirError) as exc:  # data: found only when read (e.g. an id beyond the vocab)
+    except Exception as exc:  # data found bad only when read (an id beyond the vocab), an init.hf weight file, ...
+        if kind_of(exc) != USAGE:  # trainer/run/failure.py: which errors are the input's
+            raise
         raise BadInput(f"{run.source}: {exc}") from None
     finally:
         claim.lock.release()

@@ -11,6 +11,7 @@ are known only once torch reads it (weights_only=True: trainer/init/hf_weights.p
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,19 +87,51 @@ def safetensors_header(path: Path) -> dict[str, TensorInfo]:
         header = _bounded(f.read(length), f"{path}'s safetensors header", "download the file again")
     if not isinstance(header, dict):
         raise HFDirError(f"{path} has a malformed safetensors header; download it again")
-    out, end = {}, 0
+    out, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype, shape, (start, stop) = str(entry["dtype"]), tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-            end = max(end, int(stop))
+            start, stop = int(start), int(stop)
         except (KeyError, TypeError, ValueError):
             raise HFDirError(f"{path}: tensor {name!r} has a malformed header entry; download the file again") from None
+        spans.append((start, stop, name))
+        _check_entry(path, name, dtype, shape, start, stop)
         out[name] = TensorInfo(path, dtype, shape)
-    if 8 + length + end > size:
+    data = size - 8 - length
+    end = 0
+    for start, stop, name in sorted(spans):  # safetensors' own rule: the tensors tile the data, in some order
+        if start != end:
+            raise HFDirError(f"{path}: tensor {name!r} starts at byte {start} of the data, the tensors before it end "
+                             f"at {end}; the file is malformed, download it again")
+        end = stop
+    if end > data:
         raise HFDirError(f"{path} is truncated ({size} bytes, its header says {8 + length + end}); download it again")
+    if end < data:
+        raise HFDirError(f"{path} has {data - end} bytes after its last tensor; the file is malformed, download it again")
     return out
+
+
+# safetensors' dtypes and their bits per element
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+              "F8_E5M2FNUZ": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+MAX_RANK = 16
+
+
+def _check_entry(path: Path, name: str, dtype: str, shape: tuple[int, ...], start: int, stop: int) -> None:
+    """One header entry as safetensors itself would accept it: a known dtype, a shape of sizes >= 0 and a byte
+    range exactly its size."""
+    where = f"{path}: tensor {name!r}"
+    if dtype not in DTYPE_BITS:
+        raise HFDirError(f"{where} has dtype {dtype[:40]!r}, which safetensors does not define; download the file again")
+    if len(shape) > MAX_RANK or any(n < 0 for n in shape):
+        raise HFDirError(f"{where} has shape {list(shape)[:MAX_RANK + 1]}; the file is malformed, download it again")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if start < 0 or stop - start != -(-bits // 8):
+        raise HFDirError(f"{where} takes bytes [{start}, {stop}) for shape {list(shape)} of {dtype} "
+                         f"({-(-bits // 8)} bytes); the file is malformed, download it again")
 
 
 def shard_files(hf_dir: Path, index_name: str) -> dict[str, Path]:

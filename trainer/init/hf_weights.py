@@ -64,15 +64,21 @@ class _Reader:
     def __init__(self, weights: Weights, stack: ExitStack):
         self.weights = weights
         self.shapes: dict[str, tuple[int, ...]] = {k: v.shape for k, v in weights.tensors.items()}
+        self.dtypes: dict[str, str] = {k: v.dtype for k, v in weights.tensors.items()}
         self.pickled: dict[str, torch.Tensor] = {}
         self.handles: dict[Path, Any] = {}
         if weights.pickle:
             for file in weights.files:
-                loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as exc:  # a refused global, a corrupt zip, a truncated file: one line
+                    raise HFDirError(f"{file} could not be read as tensors with weights_only=True "
+                                     f"({_first_line(exc)}); download it again or convert it to safetensors") from None
                 if not isinstance(loaded, Mapping):
                     raise HFDirError(f"{file} holds no state dict of tensors")
                 self.pickled |= {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
             self.shapes = {k: tuple(v.shape) for k, v in self.pickled.items()}
+            self.dtypes = {k: _PICKLED_DTYPES.get(v.dtype, str(v.dtype)) for k, v in self.pickled.items()}
         self.stack = stack
 
     def read(self, name: str, region: Region) -> torch.Tensor:
@@ -82,15 +88,30 @@ class _Reader:
         from safetensors import safe_open
 
         file = self.weights.tensors[name].file
-        if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-        return self.handles[file].get_slice(name)[index]
+        try:  # the header was checked by find_weights; the file may have changed since, or hold bad values
+            if file not in self.handles:
+                self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return self.handles[file].get_slice(name)[index]
+        except Exception as exc:  # safetensors' SafetensorError, an OSError, a dtype torch lacks
+            raise HFDirError(f"{file}: tensor {name!r} could not be read ({_first_line(exc)}); "
+                             "download the file again") from None
 
 
-def plan_reads(model: nn.Module, sources: Mapping[str, tuple[str, ...]],
-               shapes: Mapping[str, tuple[int, ...]], hf_dir: Path) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+# the dtypes a weight is read from (safetensors' names); quantized and integer tensors are refused, not cast
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
+_PICKLED_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def plan_reads(model: nn.Module, sources: Mapping[str, tuple[str, ...]], shapes: Mapping[str, tuple[int, ...]],
+               hf_dir: Path, dtypes: Mapping[str, str]) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
     """(parameter, its HF names) for every parameter of `model`, each name checked to be in the directory with
-    the shape the parameter needs; HFDirError for the first that is not (nothing has been read yet)."""
+    the shape the parameter needs and a floating dtype; HFDirError for the first that is not (nothing has been
+    read yet)."""
     reads = []
     for fqn, param in model.named_parameters():
         name = canonical_name(fqn)
@@ -105,6 +126,9 @@ def plan_reads(model: nn.Module, sources: Mapping[str, tuple[str, ...]],
                 raise HFDirError(f"{hf_dir} has no tensor {hf_name} (for {name}); is it the model `model:` describes?")
             if shapes[hf_name] is not None and tuple(shapes[hf_name]) != need:
                 raise HFDirError(f"{hf_dir}: {hf_name} has shape {list(shapes[hf_name])}, {name} needs {list(need)}")
+            if dtypes.get(hf_name, "F32") not in WEIGHT_DTYPES:
+                raise HFDirError(f"{hf_dir}: {hf_name} is {dtypes[hf_name]}; init.hf reads weights stored as "
+                                 f"{', '.join(WEIGHT_DTYPES)} (dequantize the checkpoint first)")
         reads.append((param, names))
     return reads
 
@@ -116,7 +140,7 @@ def load_hf(model: nn.Module, hf_dir: Path, sources: Mapping[str, tuple[str, ...
     read = 0
     with ExitStack() as stack:
         reader = _Reader(weights, stack)
-        for param, names in plan_reads(model, sources, reader.shapes, hf_dir):
+        for param, names in plan_reads(model, sources, reader.shapes, hf_dir, reader.dtypes):
             region = local_region(param)
             whole = region is None
             region = tuple((0, n) for n in param.shape) if whole else region

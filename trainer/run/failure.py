@@ -36,7 +36,8 @@ FAULTS_DIR = "faults"
 USAGE, FATAL, STOPPED, HUNG, ERROR = "usage", "fatal", "stopped", "hung", "error"
 RESTARTABLE = frozenset({HUNG, ERROR})
 # exception class names (anywhere in the MRO) -> kind; names, so that this module imports none of them
-USAGE_ERRORS = frozenset({"DataError", "CheckpointDirError", "ManifestError", "SharedDirError", "RunDirError"})
+USAGE_ERRORS = frozenset({"DataError", "CheckpointDirError", "ManifestError", "SharedDirError", "RunDirError",
+                          "HFDirError"})
 FATAL_ERRORS = frozenset({"NonFiniteStop", "CheckpointUnusable"})
 STOPS = frozenset({"StopRequested"})
 PEER_LOST = re.compile(r"connection (reset|closed)|broken pipe|peer|socket closed|timed out|timeout|"
