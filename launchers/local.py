@@ -38,10 +38,11 @@ def write_resolved(run: Resolved) -> Path:
 
 def torchrun_command(run: Resolved, manifest_path: Path, launcher_pid: int | None = None,
                      verbose: bool = False) -> list[str]:
-    """torchrun's command line; `launcher_pid`: the `mantra run` process the ranks follow (launchers/supervise.py);
-    `verbose`: rank 0's log records with time, level and logger."""
+    """torchrun's command line (launchers/torchrun.py: torchrun, without its traceback after a rank's bad-input
+    exit); `launcher_pid`: the `mantra run` process the ranks follow (launchers/supervise.py); `verbose`: rank 0's
+    log records with time, level and logger."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "launchers.torchrun",
         "--standalone",
         f"--nproc-per-node={run.world_size}",
         "--log-dir", str(run.run_dir / "logs"),

@@ -67,6 +67,9 @@ def last_per_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 
+TORCHRUN = {"torch.distributed.run", "launchers.torchrun"}  # torchrun's module as tests and `mantra run` start it
+
+
 def rank_pids(manifest: Path) -> list[int]:
     """The rank processes of a local run (torchrun's workers), not torchrun itself."""
     pids = []
@@ -78,7 +81,7 @@ def rank_pids(manifest: Path) -> list[int]:
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in argv]
-        if "launchers.rank" in words and str(manifest) in words and "torch.distributed.run" not in words:
+        if "launchers.rank" in words and str(manifest) in words and not TORCHRUN & set(words):
             pids.append(int(entry.name))
     return sorted(pids)
 

@@ -105,7 +105,7 @@ def test_dry_run_table(tmp_path):
         assert cells[0] == str(rank) and cells[1] == f"DP4-rank{rank}"
         assert cells[2:7] == ["0", str(rank), "0", "0", "0"]
         assert cells[7] == "0-3" and cells[8] == "3,279,104"
-    assert "torch.distributed.run --standalone --nproc-per-node=4" in out
+    assert "launchers.torchrun --standalone --nproc-per-node=4" in out
     assert not (tmp_path / "metrics.jsonl").exists()  # trains nothing
 
 

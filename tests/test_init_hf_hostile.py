@@ -70,14 +70,16 @@ def test_bytes_after_the_last_tensor_are_refused(tmp_path) -> None:
 
 def test_weights_the_run_cannot_use_stop_it_at_start_up_with_exit_2(tmp_path) -> None:
     """Integer weights of the right shape pass validate (the header is well formed) and are refused before
-    any value is copied, never cast; a corrupt pickle under allow_pickle is one line too."""
+    any value is copied, never cast: at two ranks, the rank's line and exit 2, without torchrun's traceback
+    (launchers/torchrun.py). A corrupt pickle under allow_pickle is one line too (one process)."""
     from safetensors.torch import load_file, save_file
 
     hf_dir = llama_dir(tmp_path / "ints")
     state = load_file(hf_dir / "model.safetensors")
     state[NORM] = torch.ones(state[NORM].shape, dtype=torch.int8)
     save_file(state, hf_dir / "model.safetensors")
-    proc = mantra("run", str(init_manifest(tmp_path, hf_dir, "ints")), cwd=tmp_path)
+    two = init_manifest(tmp_path, hf_dir, "ints", {"parallel": {"dp_replicate": 2}})
+    proc = mantra("run", str(two), "--nproc", "2", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"{NORM} is I8; init.hf reads weights stored as F32" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "ints" / "checkpoints").exists() or not any((tmp_path / "ints" / "checkpoints").iterdir())
@@ -90,3 +92,10 @@ def test_weights_the_run_cannot_use_stop_it_at_start_up_with_exit_2(tmp_path) ->
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "pytorch_model.bin could not be read as tensors with weights_only=True" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_is_quiet_only_about_a_bad_input_exit() -> None:
+    from launchers.torchrun import usage_only
+
+    assert usage_only([2]) and usage_only([2, -15]) and usage_only([2, 2])
+    assert not usage_only([1]) and not usage_only([1, 2]) and not usage_only([-15]) and not usage_only([-9, 2])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from test_checkpoint import rank_pids, start, wait_for_step, write
+from test_checkpoint import TORCHRUN, rank_pids, start, wait_for_step, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -37,7 +37,7 @@ def job_pids(manifest: Path) -> list[int]:
                 words = [w.decode(errors="replace") for w in (entry / "cmdline").read_bytes().split(b"\0")]
             except OSError:
                 continue
-            if "torch.distributed.run" in words and str(manifest) in words:
+            if TORCHRUN & set(words) and str(manifest) in words:
                 pids.add(int(entry.name))
     return sorted(pids)
 
