@@ -12,11 +12,18 @@ second the compute efficiency the step time assumes and where it comes from (tra
 Exit 0 when the layout fits, 3 when it does not (with --search: 0 when at least one layout fits, 3 when none
 does); 2 for a bad manifest or arguments. Scripts can branch on it: `mantra plan m.yaml --json || ...`.
 Torch is never imported: the answer comes in about a second on a login node.
+
+`--gpu-mem` and `--gpus` are checked before anything is planned (check_sizes): a capacity that is not a
+finite number of GiB above 0 and at most MAX_GPU_MEM_GIB would plan nonsense (nan "fits" everything, inf
+cannot be written as JSON), and a device count above MAX_GPUS would only make the search run for minutes on
+a question no cluster asks. `--gpus`, `--fix` and `--write` mean something only to `--search`, so they are
+refused without it rather than ignored.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +41,10 @@ from trainer.plan.kinds import plan_of
 from trainer.plan.model import NoPlanModel
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3  # 2 (bad input) is the CLI's
+MAX_GPU_MEM_GIB = 100_000  # memory per device: 700 times an H200's; more is a typo, not a device
+# devices a search takes: above the largest clusters (~100k). At the cap a search answers in seconds on 2 cores
+# (2026-12-04: llama3-8b 0.5 s; llama3-70b 1 s, and 7 s / 300 MB at a global batch of 2**20, its worst case seen)
+MAX_GPUS = 131_072
 
 
 class PlanInputError(ValueError):
@@ -157,10 +168,12 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
              write: str | None = None, flags: tuple[str, ...] = ()) -> int:
     """What `mantra plan` does; returns the exit code: 0 fits, 3 does not (ManifestError propagates to the CLI)."""
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 1000)  # piped: rows never cut at 80 columns
-    if search and not gpus:
+    check_sizes(gpu_mem, gpus)
+    if search and gpus is None:
         raise PlanInputError("--search needs --gpus N (and usually --gpu-mem GiB)")
-    if (pins or write) and not search:
-        raise PlanInputError("--fix and --write go with --search")
+    if (pins or write is not None or gpus is not None) and not search:
+        raise PlanInputError("--gpus, --fix and --write go with --search; add --search to find layouts on --gpus N "
+                             "devices (a plan without it takes the device count from the manifest's launcher)")
     if not 1 <= steps <= 64:
         raise PlanInputError(f"--steps {steps}: draw 1 to 64 consecutive steps")
     run, warnings = load_manifest(manifest, overrides, data_files=False)  # a plan reads no data
@@ -193,12 +206,21 @@ def run_plan(manifest: str, overrides: list[str], *, gpu: str, gpu_mem: float | 
             out["steps"] = {"barrier": simulate_many(e.timing, steps).summary(),
                             "post_validation": simulate_many(e.timing, steps, overlap=True).summary()}
         out["exit_code"] = code
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2, allow_nan=False))  # every number is finite: Infinity is no JSON
         return code
     print_plan(e, console, why=why, steps=steps)
     if picture:
         console.print(f"timeline: {picture}")
     return code
+
+
+def check_sizes(gpu_mem: float | None, gpus: int | None) -> None:
+    """--gpu-mem: finite GiB above 0, at most MAX_GPU_MEM_GIB; --gpus: 1 to MAX_GPUS (module docstring)."""
+    if gpu_mem is not None and not (math.isfinite(gpu_mem) and 0 < gpu_mem <= MAX_GPU_MEM_GIB):
+        raise PlanInputError(f"--gpu-mem {gpu_mem:g}: memory per device in GiB, above 0 and at most "
+                             f"{MAX_GPU_MEM_GIB:,} (e.g. --gpu-mem 80)")
+    if gpus is not None and not 1 <= gpus <= MAX_GPUS:
+        raise PlanInputError(f"--gpus {gpus}: the devices to search layouts for, 1 to {MAX_GPUS:,} (e.g. --gpus 64)")
 
 
 def _calibration(run: Resolved, device: Device, efficiency: float | None, overhead: float | None) -> Calibration | None:

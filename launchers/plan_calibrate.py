@@ -5,8 +5,10 @@ run implies, and the plan's step time at them beside the measured one.
     mantra plan manifests/tiny-cpu.yaml --calibrate runs/cal             # fitted efficiency, plan vs measured
     mantra plan manifests/tiny-cpu.yaml --set launcher.nproc=2 --set parallel.tp=2 --efficiency 0.23   # then use it
 
-MANIFEST (with its --set lines) must be the layout RUN_DIR ran. Exit 0 with the fit, 2 when RUN_DIR cannot give
-one (no metrics, too few steps, a step faster than the device's peak allows). Torch is never imported.
+MANIFEST (with its --set lines) must be the layout RUN_DIR ran: the run's own manifest.yaml is compared with it
+(trainer/plan/same_run.py) and a difference in the model, layout or batch is refused, naming the fields. Exit 0
+with the fit, 2 when RUN_DIR cannot give one (another manifest's run, no metrics, too few steps, a step faster
+than the device's peak allows or slower than any plausible efficiency). Torch is never imported.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def plan_calibrate(manifest: str, overrides: list[str], run_dir: Path, *, gpu: s
         raise CalibrateInputError(str(exc.args[0] if exc.args else exc)) from None
     c = fit.calibration
     if as_json:
-        print(json.dumps({"run_dir": str(run_dir), "device": device.key, "device_reason": why, **fit.to_json()}, indent=2))
+        print(json.dumps({"run_dir": str(run_dir), "device": device.key, "device_reason": why, **fit.to_json()}, indent=2,
+                         allow_nan=False))  # every number is finite (trainer/plan/calibrate.py bounds them)
         return 0
     lines = [f"{run.manifest.name} on {run.world_size} x {device.name} (device: {why})",
              f"measured: {fit.measured_s:.4g} s per step, the lower quartile of {fit.steps} steady steps "

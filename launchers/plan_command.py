@@ -6,7 +6,9 @@
     mantra plan manifests/tiny-cpu.yaml --against runs/tiny-cpu            # launchers/plan_against.py
     mantra plan manifests/tiny-cpu.yaml --profile runs/pp2                 # launchers/plan_profile.py
 
-Bad input is one line on stderr and exit 2, as everywhere in `mantra`.
+Bad input is one line on stderr and exit 2, as everywhere in `mantra`. A flag the chosen mode would ignore
+(`--gpus` without `--search`, `--write` with `--calibrate`, two run directories at once) is refused, not dropped:
+the user asked for something the answer would not contain.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ def _bad_input(exc: Exception) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from launchers.plan import PlanInputError, run_plan
+    from launchers.plan import PlanInputError, check_sizes, run_plan
     from trainer.plan.model import NoPlanModel
 
     try:
+        check_sizes(args.gpu_mem, args.gpus)
+        _one_mode(args)
         if args.profile is not None:  # the schedules on measured stage times
             from launchers.plan_profile import ProfileInputError, plan_profile
 
@@ -54,6 +58,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         write=args.write, flags=plan_flags(args))
     except (PlanInputError, NoPlanModel) as exc:  # NoPlanModel: the model kind has none (--against, --profile)
         return _bad_input(exc)
+
+
+def _one_mode(args: argparse.Namespace) -> None:
+    """At most one of --profile, --against, --calibrate, and none of the search's flags beside it."""
+    from launchers.plan import PlanInputError
+
+    modes = [f"--{name}" for name in ("profile", "against", "calibrate") if getattr(args, name) is not None]
+    if len(modes) > 1:
+        raise PlanInputError(f"{' and '.join(modes)}: give one run directory to read, one mode at a time")
+    search = [flag for flag, given in (("--search", args.search), ("--gpus", args.gpus is not None),
+                                       ("--fix", bool(args.fix)), ("--write", args.write is not None)) if given]
+    if modes and search:
+        raise PlanInputError(f"{modes[0]} reads a run of the manifest's own layout; {', '.join(search)} "
+                             "go with --search alone: run them as a separate command")
 
 
 def plan_flags(args: argparse.Namespace) -> tuple[str, ...]:

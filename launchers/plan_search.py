@@ -7,7 +7,13 @@ manifest of the best one.
     mantra plan manifests/llama3-8b.yaml --search --gpus 64 --json                     # all of it as one object
 
 Progress goes to stderr (searching N layouts… P%); the counts (candidates, pruned by the memory bound and by
-the time bound, evaluated, fit) head the output. Exit 0 when a layout fits, 3 when none does.
+the time bound, evaluated, fit) head the output. Exit 0 when a layout fits, 3 when none does; 2 when the
+`--fix` pins leave no layout the manifest's rules accept (trainer/plan/search.py: pin_refusal), which is a
+question with no answer, not one whose answer is "does not fit".
+
+`--write FILE` is checked before the search runs (launchers/written_file.py: not a directory, a device or a
+path under a file, never the input manifest or a base it extends, whose comments a rewrite would lose) and
+written through a temp file that must validate before it replaces FILE: a bad result never lands.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from launchers.plan_format import duration, layout_line
-from trainer.manifest import ManifestError, load_manifest
+from launchers.written_file import OutputError, check_target, write_checked
+from trainer.manifest import load_manifest
 from trainer.manifest.paths import PATH_FIELDS
-from trainer.manifest.extends import load_tree
-from trainer.manifest.source import apply_override
+from trainer.manifest.extends import KEY as EXTENDS, load_tree
+from trainer.manifest.source import apply_override, load_source
 from trainer.plan.devices import GIB, Device
 from trainer.plan.dials import BadPin, parse_pins
 from trainer.plan.efficiency import Calibration
@@ -60,6 +68,8 @@ class SearchProgress:
         self.shown = -1
 
     def __call__(self, done: int, total: int) -> None:
+        if self.shown >= 100:  # an empty search is done at its first call
+            return
         percent = 100 * done // max(total, 1) if total else 100
         step = 1 if self.tty else 25
         if percent // step == self.shown // step and done < total:
@@ -82,15 +92,21 @@ def run_search(manifest: str, overrides: list[str], device: Device, why: str, gp
         pins = parse_pins(options.pins)
     except BadPin as exc:
         raise SearchInputError(str(exc)) from None
+    if options.write is not None:  # before the search: a target that cannot be written is said in a second
+        check_write(options.write, manifest)
     found = search(manifest, gpus=options.gpus, gpu_mem=gpu_mem, device=device, overrides=overrides, top=options.top,
                    calibration=options.calibration, pins=pins, progress=SearchProgress())
+    if found.refusal:
+        raise SearchInputError(found.refusal)
     code = EXIT_FITS if found.best else EXIT_DOES_NOT_FIT
-    written = write_best(manifest, overrides, found, options, device, gpu_mem) if options.write and found.best else None
+    written = None
+    if options.write is not None and found.best:
+        written = write_best(manifest, overrides, found, options, device, gpu_mem)
     if as_json:
-        print(json.dumps(_json(found, options, device, why, gpu_mem, code, written), indent=2))
+        print(json.dumps(_json(found, options, device, why, gpu_mem, code, written), indent=2, allow_nan=False))
         return code
     _print(manifest, overrides, found, options, device, why, gpu_mem, console)
-    if options.write and not found.best:
+    if options.write is not None and not found.best:
         console.print(f"nothing written to {options.write}: no layout fits")
     elif written:
         console.print(f"wrote {written}: the input manifest with layout 1 applied (validated)", soft_wrap=True)
@@ -169,12 +185,43 @@ def write_best(manifest: str, overrides: list[str], found: SearchResult, options
               f"{found.calibration.efficiency:.3g} ({found.calibration.source}).",
               f"Changed from {manifest}: {' '.join(overrides + list(best.overrides)) or 'nothing'}."]
     text = "".join(f"# {h}\n" for h in _wrap(header)) + yaml.safe_dump(tree.data, sort_keys=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
     try:
-        load_manifest(out, data_files=False)
-    except ManifestError as exc:
-        raise SearchInputError(f"{out}: the written manifest does not validate: {exc}") from None
+        return write_checked(out, text, lambda temp: load_manifest(temp, data_files=False))
+    except OutputError as exc:
+        raise SearchInputError(f"--write {exc}") from None
+
+
+def check_write(write: str, manifest: str) -> None:
+    """Refuse a `--write` target before the search: an empty name (Path("") would be "."), what check_target
+    refuses, and a place nothing can be created in (/proc: write_checked would fail there only after the
+    search)."""
+    if not write.strip():
+        raise SearchInputError("--write '': the file name is empty; name a .yaml file to write, e.g. --write best.yaml")
+    out = Path(write)
+    try:
+        check_target(out, inputs=manifest_files(manifest))
+    except OutputError as exc:
+        raise SearchInputError(f"--write {exc}") from None
+    place = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
+    try:  # what write_checked will do there: create an entry (its temp file, or the missing folders)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".probe", dir=place))
+    except OSError as exc:
+        raise SearchInputError(f"--write {out}: cannot create anything in {place} ({exc.strerror or exc}); "
+                               "choose another place") from None
+
+
+def manifest_files(manifest: str | Path) -> list[Path]:
+    """The manifest and every base it extends, at any depth (what `--write` must never replace). The chain was
+    validated when the manifest loaded; at most 64 files are read whatever the files say."""
+    out: list[Path] = []
+    todo = [Path(manifest)]
+    while todo and len(out) < 64:
+        path = todo.pop()
+        if path.resolve() in out:
+            continue
+        out.append(path.resolve())
+        names = load_source(path).data.get(EXTENDS) or []
+        todo += [path.parent / n for n in ([names] if isinstance(names, str) else names) if isinstance(n, str)]
     return out
 
 

@@ -62,6 +62,9 @@ def write_checked(out: Path, text: str, validate: Callable[[Path], None] = lambd
         raise OutputError(f"{out} cannot be written ({exc.strerror or exc}); choose another place") from None
     temp = Path(name)
     try:
+        umask = os.umask(0)  # mkstemp made it 0600: give it the mode a plain write would (0666 less the umask)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         try:

@@ -48,3 +48,12 @@ def test_an_invalid_or_failed_write_leaves_the_target_as_it_was(tmp_path: Path) 
     assert write_checked(out, "after\n") == out and out.read_text() == "after\n"
     with pytest.raises(OutputError, match="cannot be written"):
         write_checked(Path("/proc/mantra-test/out.yaml"), "x")
+
+
+def test_a_written_file_has_the_mode_a_plain_write_gives(tmp_path: Path) -> None:
+    umask = os.umask(0o027)
+    try:
+        out = write_checked(tmp_path / "out.yaml", "x: 1\n")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o640

@@ -14,26 +14,36 @@ faster steps are the machine's own speed. The efficiency is the one at which the
 (`logging.profile_pipeline: true`, trainer/parallel/pipeline/analysis/profile.py), the per-action overhead comes
 first: each measured F, B and W against the plan's FLOP time of the same pass is a line, time = FLOP time /
 efficiency + overhead, fitted by least squares; the step time then fixes the efficiency with that overhead.
-Without a profile the overhead stays 0 (said in `notes`). Torch-free; every file read as hostile.
+Without a profile the overhead stays 0 (said in `notes`). Torch-free; every file read as hostile:
+metrics.jsonl must be a regular file (a FIFO would block the read), is read at most MAX_BYTES, and each line is
+parsed within bounds (trainer/checkpoint/plain.py bounded_json: depth, value count, 20-digit integers, finite
+numbers), so a line nested 100,000 deep or holding a 5,000-digit integer is skipped like a torn line, never a
+RecursionError. A step time above MAX_STEP_S is refused with its line number: no run measured it, and a fit to
+it would print inf. A fit that needs an efficiency below LOW is refused too: the run is not this manifest's.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import stat
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trainer.checkpoint.plain import PlainDataError, bounded_json
 from trainer.manifest import Resolved
 from trainer.plan.devices import Device
 from trainer.plan.efficiency import Calibration
 from trainer.plan.estimate import calibration_of, estimate
+from trainer.plan.same_run import NotThisRun, check_same_run
 
 SKIP = 2  # first steps left out of the measurement
 MIN_STEPS = 3  # steady steps a fit needs
 MAX_BYTES = 64 * 2**20  # metrics.jsonl read at most this far
 LOW, HIGH = 1e-4, 1.0  # the efficiencies a fit may find
+MAX_STEP_S = 86_400.0  # a logged step time above a day is no measurement
+ROW_DEPTH, ROW_VALUES = 8, 4096  # a metrics row is one flat object of a few dozen values
 
 
 class CalibrationError(ValueError):
@@ -64,30 +74,50 @@ class Fit:
 def step_times(run_dir: Path) -> list[float]:
     """The steady steps' `step_time_s` from RUN_DIR/metrics.jsonl (after the first SKIP)."""
     path = Path(run_dir) / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise CalibrationError(f"{path}: cannot read the run's metrics ({exc.strerror or exc}); give a run directory "
-                               "`mantra run` wrote") from None
-    if len(data) > MAX_BYTES:
-        raise CalibrationError(f"{path}: more than {MAX_BYTES // 2**20} MiB; not a metrics file mantra wrote")
+    data = _read(path)
     steps: dict[int, float] = {}
-    for line in data.decode("utf-8", errors="replace").splitlines():
+    skipped: list[str] = []  # "line N (why)" of the lines that are no row, the first few
+    for number, line in enumerate(data.splitlines(), 1):
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
+            row = bounded_json(line, f"line {number}", ROW_DEPTH, ROW_VALUES)
+        except PlainDataError as exc:  # a torn line, or one no logger wrote (nested, a huge integer, Infinity)
+            skipped.append(str(exc).split(";")[0])
+            continue
         if not isinstance(row, dict):
             continue
         step, t = row.get("step"), row.get("step_time_s")
-        if isinstance(step, int) and not isinstance(t, bool) and isinstance(t, int | float) and math.isfinite(t) and t > 0:
+        if isinstance(step, int) and not isinstance(t, bool) and isinstance(t, int | float) and t > 0:
+            if t > MAX_STEP_S:
+                raise CalibrationError(f"{path}: line {number}: step_time_s {t:g} s is not a measured step (at most "
+                                       f"{MAX_STEP_S:,.0f} s); give the directory of a run `mantra run` logged")
             steps[step] = float(t)
     steady = [t for s, t in sorted(steps.items()) if s > SKIP]
     if len(steady) < MIN_STEPS:
-        raise CalibrationError(f"{path}: {len(steady)} steps after the first {SKIP}, {MIN_STEPS} needed; log every step "
-                               "(logging.every: 1) of a run of at least {SKIP + MIN_STEPS} steps")
+        many = f"{len(skipped)} lines are no JSON row, the first" if len(skipped) > 1 else "1 line is no JSON row"
+        unread = f"; {many}: {skipped[0]}" if skipped else ""
+        raise CalibrationError(f"{path}: {len(steady)} steps after the first {SKIP}, {MIN_STEPS} needed{unread}; log "
+                               f"every step (logging.every: 1) of a run of at least {SKIP + MIN_STEPS} steps")
     return steady
+
+
+def _read(path: Path) -> bytes:
+    """At most MAX_BYTES + 1 of a regular file, opened without blocking (a FIFO or a device is refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO opens at once
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read the run's metrics ({exc.strerror or exc}); give a run directory "
+                               "`mantra run` wrote") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CalibrationError(f"{path}: not a regular file (a FIFO, device or directory); give a run directory "
+                                   "`mantra run` wrote")
+        try:
+            data = f.read(MAX_BYTES + 1)
+        except OSError as exc:
+            raise CalibrationError(f"{path}: cannot read the run's metrics ({exc.strerror or exc})") from None
+    if len(data) > MAX_BYTES:
+        raise CalibrationError(f"{path}: more than {MAX_BYTES // 2**20} MiB; not a metrics file mantra wrote")
+    return data
 
 
 def steady_step(times: list[float]) -> float:
@@ -97,7 +127,11 @@ def steady_step(times: list[float]) -> float:
 
 def calibrate(run: Resolved, device: Device, run_dir: Path) -> Fit:
     """The efficiency (and, with a pipeline profile, the per-action overhead) at which the plan of `run` on `device`
-    takes the step time RUN_DIR measured (module docstring)."""
+    takes the step time RUN_DIR measured (module docstring). RUN_DIR must be a run of `run` (same_run.py)."""
+    try:
+        check_same_run(run, run_dir)
+    except NotThisRun as exc:
+        raise CalibrationError(str(exc)) from None
     steady = step_times(run_dir)
     measured = steady_step(steady)
     notes = []
@@ -110,6 +144,11 @@ def calibrate(run: Resolved, device: Device, run_dir: Path) -> Fit:
     if step > measured:
         raise CalibrationError(f"{run_dir}: the run measured {measured:.4g} s per step, faster than the plan at the whole "
                                f"peak of {device.name} ({step:.4g} s); plan it for the device it ran on (--gpu)")
+    slowest = _step(run, device, replace(base, efficiency=LOW))
+    if slowest < measured:  # the bisection would stop at LOW and call it a fit
+        raise CalibrationError(f"{run_dir}: the run measured {measured:.4g} s per step, slower than the plan at "
+                               f"{LOW:g} of the peak of {device.name} ({slowest:.4g} s); is it a run of this manifest "
+                               "on this device (--gpu)?")
     low, high = LOW, HIGH
     for _ in range(60):  # the step time falls as the efficiency rises
         mid = math.sqrt(low * high)

@@ -123,16 +123,26 @@ class BadPin(ValueError):
 def parse_pins(items: Sequence[str]) -> dict[str, object]:
     """`--fix KEY=VALUE` lines -> {Dials field: value}; the value read as YAML, as `--set` reads it."""
     pins: dict[str, object] = {}
+    given: dict[str, str] = {}  # Dials field -> the --fix that pinned it
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or key not in DIALS:
             raise BadPin(f"--fix {item}: not a dial; use KEY=VALUE with KEY one of {', '.join(DIALS)}")
         name, parse = DIALS[key]
         try:
-            pins[name] = parse(yaml.safe_load(raw))
+            value = parse(yaml.safe_load(raw))
         except (ValueError, yaml.YAMLError) as exc:
             raise BadPin(f"--fix {item}: {key} takes {exc}") from None
+        if name in pins and pins[name] != value:  # the last silently winning would search what was not asked
+            raise BadPin(f"--fix {given[name]} and --fix {item} pin {key} twice; keep one")
+        pins[name], given[name] = value, item
     return pins
+
+
+def pin_line(name: str, value: object) -> str:
+    """A pin as `--fix` takes it: ("tp", 16) -> "--fix parallel.tp=16"."""
+    key = next(k for k, (field, _) in DIALS.items() if field == name)
+    return f"--fix {key}={_yaml(value)}"
 
 
 _FIELDS = tuple(f.name for f in fields(Dials))

@@ -64,10 +64,15 @@ class Evaluator:
 
     def refuses(self, run: Resolved) -> bool:
         """Whether a rule `mantra validate` runs refuses the layout (its error findings; warnings pass)."""
+        return bool(self.why(run))
+
+    def why(self, run: Resolved) -> str:
+        """The first error a rule `mantra validate` runs finds in the layout, in words ("" when none)."""
         try:
-            return any(f.severity == "error" for rule in self.rules for f in _findings(rule, run))
-        except Unresolvable:
-            return True
+            return next((f"{f.field}: {f.message}" for rule in self.rules for f in _findings(rule, run)
+                         if f.severity == "error"), "")
+        except Unresolvable as exc:
+            return str(exc) or "the layout does not resolve"
 
     def timing(self, run: Resolved) -> Timing:
         """The step time (the schedule's lists are read for the makespan only, not for the memory moments)."""

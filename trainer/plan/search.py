@@ -18,6 +18,10 @@ through the manifest's own rules on plain values, then:
 So the result is the one an exhaustive evaluation of every candidate gives, ranked by (step time, peak,
 dials) and fronted the same way (tests/test_plan_search.py compares both on every shipped manifest). The
 winners' `--set` lines are validated once more through `load_manifest` itself.
+
+When `pins` leave no layout the rules accept, nothing was too big: the question itself cannot be answered, and
+`SearchResult.refusal` says which `--fix` no layout takes and the rule that refused it (pin_refusal), for the
+command line to say as bad input rather than as "does not fit".
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from trainer.manifest import ManifestError, Resolved, load_manifest
 from trainer.manifest.resolve import Unresolvable
 from trainer.plan.bounds import Bounds
 from trainer.plan.devices import Device, get_device, usable_bytes
-from trainer.plan.dials import Dials
+from trainer.plan.dials import Dials, pin_line
 from trainer.plan.efficiency import Calibration
 from trainer.plan.estimate import Estimate, assemble, calibration_of, setup_of
 from trainer.plan.evaluate import Evaluator, world_overrides
@@ -62,6 +66,7 @@ class SearchResult:
     front: tuple[Candidate, ...] = ()  # the Pareto front of peak memory against step time, fastest first
     counts: dict[str, object] = field(default_factory=dict)
     calibration: Calibration | None = None
+    refusal: str | None = None  # every candidate was refused by the rules under the pins: why (pin_refusal)
 
 
 @dataclass(frozen=True, order=True)
@@ -137,7 +142,40 @@ def search(path: str | Path, *, gpus: int, gpu_mem: float | None = None, device:
     front = _pareto(sorted(fits))
     front_c = tuple(_candidate(base, gpus, device, ev, f, gpu_mem, calib, fits[f]) for f in front)
     tried = tally["candidates"]
-    return SearchResult(tuple(best), tried, tried - tally["refused"], tally["fit"], front_c, tally, calib)
+    refusal = None
+    if pins and not fits and not pruned_memory and tally["refused"] == len(queue):  # the rules refused every one
+        first = ev.why(ev.run(queue[0][2])) if queue else ""
+        refusal = pin_refusal(base, gpus, device, dict(pins), space, first)
+    return SearchResult(tuple(best), tried, tried - tally["refused"], tally["fit"], front_c, tally, calib, refusal)
+
+
+# the levels of space.py at which each dial's value is refused (Space.reasons' keys)
+LEVELS = {"tp": ("tp",), "sp": ("sequence parallel",), "cp": ("cp",), "cp_kind": ("cp",), "pp": ("pp", "batch"),
+          "ep": ("ep", "model kind"), "dp_replicate": ("sharding",), "dp_shard": ("sharding",),
+          "sharding": ("sharding",), "schedule": ("schedule",), "virtual_stages": ("schedule", "stage split"),
+          "post_validation": ("schedule",), "stage_layers": ("stage split",), "micro_batch": ("batch", "microbatches"),
+          "microbatches": ("microbatches",), "recompute": ("recompute",)}
+
+
+def pin_refusal(base: Resolved, gpus: int, device: Device, pins: dict, space: Space, first: str = "") -> str:
+    """Why no layout takes `pins`: the first pin no layout takes alone, with the first refusal at its dial's level
+    (else the search's first), or the pins together with `first` (the whole-layout check's refusal) or the
+    first refusal at any pinned dial's level."""
+    where = f"on {gpus} x {device.name}"
+    for name, value in pins.items():
+        alone = Space(base, gpus, device, {name: value})
+        if next(alone.layouts(), None) is None:
+            return f"{pin_line(name, value)}: no layout {where} takes it: {_reason(alone, (name,))}; pin another value"
+    lines = " ".join(pin_line(name, value) for name, value in pins.items())
+    why = first or _reason(space, tuple(pins))
+    return (f"{lines}: no layout {where} takes {'them together' if len(pins) > 1 else 'it'}: {why}; "
+            "pin another value or drop a --fix")
+
+
+def _reason(space: Space, names: tuple[str, ...]) -> str:
+    said = space.reasons
+    return (next((said[level] for name in names for level in LEVELS.get(name, ()) if level in said), None)
+            or next(iter(said.values()), None) or "no value the search tries for the other dials goes with it")
 
 
 def _walk(queue: list, ev: Evaluator, capacity: float, top: int, tally: dict,
