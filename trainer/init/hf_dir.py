@@ -11,13 +11,16 @@ are known only once torch reads it (weights_only=True: trainer/init/hf_weights.p
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.plain import PlainDataError, bounded_json
+from trainer.checkpoint.plain import MAX_INT_DIGITS, PlainDataError, bounded_json
 
 MAX_JSON_BYTES = 16 << 20  # config.json and the index: far above any real one
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its header
@@ -47,12 +50,82 @@ class Weights:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file of at most MAX_JSON_BYTES; HFDirError for a missing, oversized or malformed one."""
-    if not path.is_file():
-        raise HFDirError(f"{path} is missing; init.hf needs a Hugging Face model directory with it")
-    if path.stat().st_size > MAX_JSON_BYTES:
+    """A JSON file of at most MAX_JSON_BYTES; HFDirError for a missing, unreadable, oversized or malformed one,
+    and for a path that is not a regular file (a directory, a device such as a link to /dev/zero), each said
+    as what it is rather than "missing"."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise HFDirError(f"{path} is a link to {os.readlink(path)}, which does not exist; replace it with the "
+                             f"model's {path.name}") from None
+        raise HFDirError(f"{path} is missing; init.hf needs a Hugging Face model directory with it") from None
+    except OSError as exc:
+        raise HFDirError(f"{path} cannot be examined ({exc.strerror or exc}); check the path and its "
+                         "permissions") from None
+    if stat.S_ISDIR(mode):
+        raise HFDirError(f"{path} is a directory, not a file; init.hf needs the model's {path.name} there")
+    if not stat.S_ISREG(mode):
+        raise HFDirError(f"{path} is not a regular file (a device, pipe or socket); replace it with the model's "
+                         f"{path.name}")
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)  # at most the cap, whatever the size said a moment ago
+    except OSError as exc:
+        raise HFDirError(f"{path} cannot be read ({exc.strerror or exc}); check its permissions") from None
+    if len(data) > MAX_JSON_BYTES:
         raise HFDirError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; it is not a Hugging Face file")
-    return _bounded(path.read_bytes(), str(path), "it is not a Hugging Face file")
+    try:
+        return _bounded(data, str(path), "it is not a Hugging Face file")
+    except HFDirError as exc:
+        if not str(exc).startswith(f"{path} is not valid JSON ("):  # nested too deep, too many values: as said
+            raise
+        raise HFDirError(_unparsable_value(data, path) or str(exc)) from None
+
+
+class _Refused:
+    """What a lenient parse puts where bounded_json refused a value: NaN, a 31-digit integer, 1e999."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _unparsable_value(data: bytes, path: Path) -> str | None:
+    """For a file bounded_json refused while parsing (its depth and size already checked): the key of the value
+    it could not take and why, `PATH: KEY: WHY; FIX`; None for a syntax error (its own message says where)."""
+    def integer(text: str) -> Any:
+        n = len(text.lstrip("-"))
+        return _Refused(f"an integer of {n} digits is out of range (at most {MAX_INT_DIGITS})") \
+            if n > MAX_INT_DIGITS else int(text)
+
+    def real(text: str) -> Any:
+        value = float(text)
+        return value if math.isfinite(value) else _Refused(f"{text[:40]} is out of range for a number")
+
+    def constant(name: str) -> Any:
+        return _Refused(f"{path.name} holds {name}, which is not JSON")
+
+    try:
+        parsed = json.loads(data.decode("utf-8"), parse_int=integer, parse_float=real, parse_constant=constant)
+    except (ValueError, RecursionError):
+        return None
+    found = _first_refused(parsed, "")
+    if found is None:
+        return None
+    key, refused = found
+    return f"{path}: {key or '(the whole file)'}: {refused.why}; write the model's value as a finite JSON number"
+
+
+def _first_refused(value: Any, key: str) -> tuple[str, _Refused] | None:
+    """(dotted key, marker) of the first _Refused in a parsed value (depth already bounded by MAX_DEPTH)."""
+    if isinstance(value, _Refused):
+        return key, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _first_refused(v, (f"{key}.{k}" if key else k) if isinstance(k, str) else f"{key}[{k}]")
+        if found:
+            return found
+    return None
 
 
 def _bounded(data: bytes, where: str, fix: str) -> Any:
@@ -64,12 +137,13 @@ def _bounded(data: bytes, where: str, fix: str) -> Any:
 
 
 def read_config(hf_dir: Path) -> dict[str, Any]:
-    """config.json as a dict."""
+    """config.json as a dict (read_json: bounded, and every way it cannot be read said as what it is)."""
     if not hf_dir.is_dir():
         raise HFDirError(f"{hf_dir} is not a directory; init.hf names a local Hugging Face model directory")
     config = read_json(hf_dir / "config.json")
     if not isinstance(config, dict):
-        raise HFDirError(f"{hf_dir / 'config.json'} is not a JSON object")
+        raise HFDirError(f"{hf_dir / 'config.json'} is not a JSON object ({type(config).__name__} at the top); "
+                         "replace it with the model's config.json")
     return config
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainer.init.hf_dir import HFDirError, find_weights, read_config
 from trainer.manifest.rules.finding import Finding
+from trainer.models.hf_values import ConfigValueError
 from trainer.manifest.schema import Manifest
 
 
@@ -52,7 +53,9 @@ def hf_findings(m: Manifest, hf_dir: Path) -> Iterator[Finding]:
         yield Finding("init.hf", str(exc))
         return
     except (ValueError, KeyError, TypeError) as exc:  # the kind's refusal names the key; a key missing or mistyped
-        yield Finding("init.hf", f"{hf_dir / 'config.json'}: {exc if isinstance(exc, ValueError) else repr(exc)}")
+        said = f"{exc.key}: {exc.why}; {exc.fix}" if isinstance(exc, ConfigValueError) else \
+            exc if isinstance(exc, ValueError) else repr(exc)
+        yield Finding("init.hf", f"{hf_dir / 'config.json'}: {said}")
         return
     yield from model_mismatches(m, theirs, mapping.keys or {}, hf_dir / "config.json")
     yield from aux_loss_note(m, theirs, hf_dir / "config.json")

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from trainer.models.hf_values import ConfigValueError, flag, real, size, table, text
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -99,31 +101,38 @@ def to_hf_state_dict(model: nn.Module | Mapping[str, torch.Tensor], cfg: LlamaCo
     return hf
 
 
-def refusal(kind: str, key: str, why: str) -> ValueError:
-    """The error from_hf raises for a config.json value mantra's `kind` cannot hold."""
-    return ValueError(f"config.json {key}: {why}; mantra's {kind} cannot hold it")
+def refusal(kind: str, key: str, why: str) -> ConfigValueError:
+    """The error from_hf raises for a config.json value mantra's `kind` cannot hold (a ValueError naming the key)."""
+    return ConfigValueError(key, why, f"mantra's {kind} cannot hold it")
 
 
 def decoder_section(hf_cfg: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The `model:` fields of the decoder around the MLP from an HF config.json (kind and MLP left to the
-    caller). ValueError, naming the key, for what our attention cannot hold (a head dim other than dim /
-    heads, an activation other than silu, RoPE scaling)."""
-    dim, heads = int(hf_cfg["hidden_size"]), int(hf_cfg["num_attention_heads"])
-    if hf_cfg.get("head_dim") not in (None, dim // heads):
-        raise refusal(kind, "head_dim", f"{hf_cfg['head_dim']} is not hidden_size / num_attention_heads = {dim // heads}")
-    if hf_cfg.get("hidden_act", "silu") != "silu":
-        raise refusal(kind, "hidden_act", f"{hf_cfg['hidden_act']!r}, not silu (SwiGLU)")
-    rope = dict(hf_cfg.get("rope_parameters") or {})
-    for key, params in (("rope_parameters", rope), ("rope_scaling", hf_cfg.get("rope_scaling") or {})):
-        if params.get("rope_type", params.get("type", "default")) != "default":  # newer / older transformers
-            raise refusal(kind, key, f"RoPE scaling ({params.get('rope_type', params.get('type'))}) is not supported")
+    caller). ConfigValueError, naming the key, for a value of the wrong JSON type (hf_values.py: 32.5 heads
+    or "yes" for a boolean are refused, not cast) and for what our attention cannot hold (a head dim other
+    than dim / heads, an activation other than silu, RoPE scaling)."""
+    dim, heads = size(hf_cfg, "hidden_size"), size(hf_cfg, "num_attention_heads")
+    if dim % heads:
+        raise refusal(kind, "hidden_size", f"{dim} is not a multiple of num_attention_heads ({heads})")
+    head_dim = size(hf_cfg, "head_dim", None)
+    if head_dim not in (None, dim // heads):
+        raise refusal(kind, "head_dim", f"{head_dim} is not hidden_size / num_attention_heads = {dim // heads}")
+    act = text(hf_cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise refusal(kind, "hidden_act", f"{act!r}, not silu (SwiGLU)")
+    rope = table(hf_cfg, "rope_parameters")
+    for key, params in (("rope_parameters", rope), ("rope_scaling", table(hf_cfg, "rope_scaling"))):
+        named = params.get("rope_type", params.get("type", "default"))  # newer / older transformers
+        if named != "default":
+            raise refusal(kind, key, f"RoPE scaling ({named}) is not supported")
+    theta = real(hf_cfg, "rope_theta", 10000.0)  # older transformers write it at the top
     return {
-        "dim": dim, "layers": int(hf_cfg["num_hidden_layers"]), "heads": heads,
-        "kv_heads": int(hf_cfg.get("num_key_value_heads") or heads),
-        "vocab": int(hf_cfg["vocab_size"]), "seq_len": int(hf_cfg.get("max_position_embeddings", 2048)),
-        "rope_theta": float(rope.get("rope_theta", hf_cfg.get("rope_theta", 10000.0))),
-        "norm_eps": float(hf_cfg.get("rms_norm_eps", 1e-5)),
-        "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", False)),
+        "dim": dim, "layers": size(hf_cfg, "num_hidden_layers"), "heads": heads,
+        "kv_heads": size(hf_cfg, "num_key_value_heads", heads),  # only a missing key or null means "as heads"
+        "vocab": size(hf_cfg, "vocab_size"), "seq_len": size(hf_cfg, "max_position_embeddings", 2048),
+        "rope_theta": real(rope, "rope_theta", theta, label="rope_parameters.rope_theta"),
+        "norm_eps": real(hf_cfg, "rms_norm_eps", 1e-5),
+        "tie_embeddings": flag(hf_cfg, "tie_word_embeddings", False),
     }
 
 
@@ -146,14 +155,16 @@ HF_KEYS = DECODER_KEYS | {"ffn_dim": "intermediate_size"}
 
 
 def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A LlamaForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key, for
-    what our Llama cannot hold (biases, another activation, a head dim other than dim / heads, RoPE scaling)."""
-    if hf_cfg.get("model_type", "llama") != "llama":
-        raise refusal("llama", "model_type", f"{hf_cfg.get('model_type')!r} is not llama")
+    """A LlamaForCausalLM's config.json as our `model:` section (torch-free). ConfigValueError (a ValueError),
+    naming the key, for a value of the wrong type and for what our Llama cannot hold (biases, another
+    activation, a head dim other than dim / heads, RoPE scaling)."""
+    model_type = text(hf_cfg, "model_type", "llama")
+    if model_type != "llama":
+        raise refusal("llama", "model_type", f"{model_type!r} is not llama")
     for key in ("attention_bias", "mlp_bias"):
-        if hf_cfg.get(key):
+        if flag(hf_cfg, key, False):
             raise refusal("llama", key, "biases are not part of the model")
-    return {"kind": "llama", **decoder_section(hf_cfg, "llama"), "ffn_dim": int(hf_cfg["intermediate_size"])}
+    return {"kind": "llama", **decoder_section(hf_cfg, "llama"), "ffn_dim": size(hf_cfg, "intermediate_size")}
 
 
 class _Names(dict):

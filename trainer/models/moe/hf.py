@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from trainer.models.hf_values import real, size, text
 from trainer.models.spec import HFMappingError
 from trainer.models.llama.hf import (
     DECODER_KEYS,
@@ -168,23 +169,27 @@ HF_KEYS = DECODER_KEYS | {"experts": "num_local_experts", "top_k": "num_experts_
 
 
 def section_from_hf(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A MixtralForCausalLM's config.json as our `model:` section (torch-free). ValueError, naming the key,
-    for what our moe cannot hold (a sliding window shorter than the context, another activation, a head dim
-    other than dim / heads, RoPE scaling). Router jitter and attention dropout are training noise and are
+    """A MixtralForCausalLM's config.json as our `model:` section (torch-free). ConfigValueError (a ValueError),
+    naming the key, for a value of the wrong type (trainer/models/hf_values.py) and for what our moe cannot
+    hold (a sliding window shorter than the context, another activation, a head dim other than dim / heads,
+    RoPE scaling). Router jitter and attention dropout are training noise and are
     not carried over. router_aux_loss_coef becomes balance.aux_loss {form: pooled, scope: micro-batch, coeff:
     coef}: HF's own objective, every layer's router statistics of one forward pooled before one loss, so a run
     continues exactly what the checkpoint was trained with (README, "Which balance objective travels")."""
-    if hf_cfg.get("model_type", "mixtral") != "mixtral":
-        raise refusal("moe", "model_type", f"{hf_cfg.get('model_type')!r} is not mixtral")
+    model_type = text(hf_cfg, "model_type", "mixtral")
+    if model_type != "mixtral":
+        raise refusal("moe", "model_type", f"{model_type!r} is not mixtral")
     section = {"kind": "moe", **decoder_section(hf_cfg, "moe")}
-    window = hf_cfg.get("sliding_window")
-    if window is not None and int(window) < section["seq_len"]:
+    window = size(hf_cfg, "sliding_window", None)  # null: full attention
+    if window is not None and window < section["seq_len"]:
         raise refusal("moe", "sliding_window", f"{window} is shorter than max_position_embeddings "
                       f"({section['seq_len']}) and our attention sees the whole context")
-    experts, top_k = int(hf_cfg["num_local_experts"]), int(hf_cfg["num_experts_per_tok"])
-    aux = float(hf_cfg.get("router_aux_loss_coef", 0.0))
+    experts, top_k = size(hf_cfg, "num_local_experts"), size(hf_cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise refusal("moe", "num_experts_per_tok", f"{top_k} is more than num_local_experts ({experts})")
+    aux = real(hf_cfg, "router_aux_loss_coef", 0.0, positive=False)
     return section | {
-        "experts": experts, "top_k": top_k, "expert_ffn_dim": int(hf_cfg["intermediate_size"]), "shared_experts": 0,
+        "experts": experts, "top_k": top_k, "expert_ffn_dim": size(hf_cfg, "intermediate_size"), "shared_experts": 0,
         "first_dense_layers": 0, "score": "softmax", "norm_topk_prob": True, "capacity_factor": None,
         "balance": {"aux_loss": {"form": "pooled", "scope": "micro-batch", "coeff": aux} if aux > 0 else None, "bias": None, "z_loss": None},
     }
