@@ -24,7 +24,7 @@ from trainer.plan.model_states import states
 from trainer.plan.moments import inflight, rank_moments, validation_held
 from trainer.plan.devices import GIB, Device, get_device, usable_bytes
 from trainer.plan.efficiency import Calibration, default_calibration
-from trainer.plan.host import host_notes, host_staging_bytes
+from trainer.plan.host import host_notes, host_staging_bytes, save_notes
 from trainer.plan.flops import Shape, Timing, moe_all_to_all_bytes, predict
 from trainer.models import loss_chunks
 from trainer.plan.kinds import plan_of
@@ -312,7 +312,8 @@ def assemble(run: Resolved, device: Device, rows: tuple[RankRow, ...], setups: t
         if compare and how == "uniform" and timing.imbalance > IMBALANCE_HINT:
             split = replace(split, balanced=_balanced(run, device, capacity_gib, calib, timing.step_s))
     staging = host_staging_bytes(m.checkpoint.async_save, setups)
-    notes = (*_notes(run, device, timing, counted, calib), *host_notes(staging, device.is_gpu, m.checkpoint.async_writer.value))
+    notes = (*_notes(run, device, timing, counted, calib), *host_notes(staging, device.is_gpu, m.checkpoint.async_writer.value),
+             *save_notes(bool(m.checkpoint.every or m.checkpoint.final), setups, usable_bytes(device, capacity_gib), device.is_gpu))
     return Estimate(m.name, device, run.world_size, layout, "bf16" if bf16 else "fp32", tuple(rows),
                     usable_bytes(device, capacity_gib), timing, coeffs, notes, split, counted, calib, staging)
 

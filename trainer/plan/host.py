@@ -1,6 +1,8 @@
-"""Host memory a run adds beside the device: the staging copy of checkpoint.async_save.
+"""What a checkpoint save adds to memory: the staging copy of checkpoint.async_save in host memory, and the
+AdamW moments a save of the bucketed gradient path builds whole on the device.
 
     host_staging_bytes(run, setups)   # per rank: its parameters and optimizer states, once, in host memory
+    save_notes(saves, setups, ...)    # none/zero1/zero2: 2 x the rank's fp32 parameters on the device per save
 
 An asynchronous save copies every tensor of the rank's checkpoint state (its parameters as the state
 dict holds them, and its optimizer states) into host buffers allocated once and reused
@@ -19,10 +21,39 @@ GIB = 2**30
 
 
 def host_staging_bytes(async_save: bool, setups: tuple[Setup, ...]) -> float:
-    """The largest pipeline rank's staging buffers (0 without checkpoint.async_save)."""
+    """The largest pipeline rank's staging buffers (0 without checkpoint.async_save): its saved state."""
     if not async_save:
         return 0.0
-    return max(states(s)["params"] + states(s)["optimizer"] for s in setups)
+    return max(states(s)["params"] + (assembled_bytes(s) or states(s)["optimizer"]) for s in setups)
+
+
+def assembled_bytes(s: Setup) -> float:
+    """The AdamW moments a save builds whole on the rank's device: with the bucketed gradient path (none, zero1,
+    zero2 over more than one data-parallel rank) the optimizer holds flat slices, and the checkpoint holds each
+    moment whole and parameter-shaped, assembled bucket by bucket into buffers of the save's own
+    (trainer/parallel/data/zero_state.py): two fp32 copies of the rank's parameters. 0 where the state dict is
+    the optimizer's own tensors (one rank, zero3)."""
+    if not s.adamw or s.mode not in ("none", "zero1", "zero2"):
+        return 0.0
+    return 2 * states(s)["params"]
+
+
+def save_notes(saves: bool, setups: tuple[Setup, ...], usable: float, on_gpu: bool) -> list[str]:
+    """The plan's line about what a checkpoint save adds on the device (assembled_bytes), and whether the
+    largest rank's states and it fit; none when nothing is assembled or the run never saves."""
+    extra = [(assembled_bytes(s), s) for s in setups]
+    spike, s = max(extra, key=lambda e: e[0])
+    if not saves or not spike:
+        return []
+    st = states(s)
+    held = st["params"] + st["grad_persistent"] + st["optimizer"] + spike
+    where = "device" if on_gpu else "host (on a CPU the device)"
+    line = (f"checkpoint saves with optimizer_sharding {s.sharding}: each rank builds its whole AdamW moments, "
+            f"{spike / GIB:.2f} GiB, on the {where} while saving, beside {(held - spike) / GIB:.2f} GiB of states "
+            f"({held / GIB:.2f} GiB of {usable / GIB:.2f} usable)")
+    if held > usable:
+        line += "; a save would not fit: use zero3, or a larger tp or pp"
+    return [line]
 
 
 WRITER_PROCESS_BYTES = 0.25 * GIB  # a writer process's own memory: Python and torch (about 230 MB RSS measured)
