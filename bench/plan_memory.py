@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from plan_rank import compare, measure, table, worst_rank, write_manifest  # noqa: E402
+from plan_rank import compare, measure, table, worst_stage, write_manifest  # noqa: E402
 
 SMALL = {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_dim": 128, "vocab": 256, "seq_len": 64}
 WIDE = {"dim": 256, "layers": 4, "heads": 8, "kv_heads": 8, "ffn_dim": 704, "vocab": 256, "seq_len": 32}
@@ -120,9 +120,9 @@ def main() -> int:
         manifests = {name: (spec[0], write_manifest(folder, name.replace("/", "_"), *spec)) for name, spec in chosen.items()}
         rows = compare(manifests, measure(manifests, folder / "out"))
     print(table(rows))
-    worst = max(rows, key=lambda r: abs(worst_rank(r)["measured_over_predicted"] - 1))
-    print(f"worst rank: {worst['name']} rank {worst_rank(worst)['rank']} measured/predicted "
-          f"{worst_rank(worst)['measured_over_predicted']:.3f}")
+    worst = max(rows, key=lambda r: abs(worst_stage(r)["measured_over_predicted"] - 1))
+    print(f"worst rank: {worst['name']} rank {worst_stage(worst)['rank']} measured/predicted "
+          f"{worst_stage(worst)['measured_over_predicted']:.3f}")
     if args.out:
         import datetime
         import platform
